@@ -1,0 +1,14 @@
+"""zinf: ZeRO-Infinity as a torch.compile backend.
+
+    model = torch.compile(model, backend="zinf", options={"budget": "300MB", "offload": "nvme"})
+
+Nothing needs importing for that (the backend is found through its entry point). From here:
+`last_plans()` and `compiles()` show what each compile planned and changed.
+"""
+from zinf_compile.config import ZinfConfig
+from zinf_compile.errors import BudgetError, ZinfConfigError, ZinfError
+from zinf_compile.plan import Plan
+from zinf_compile.records import compiles, last_plans, reset
+
+__version__ = "0.1.0"
+__all__ = ["BudgetError", "Plan", "ZinfConfig", "ZinfConfigError", "ZinfError", "compiles", "last_plans", "reset"]

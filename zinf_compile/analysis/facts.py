@@ -1,0 +1,277 @@
+"""Graph facts: the steps of one or more FX graphs on one timeline, the storages (buffers) their
+tensors live in, when each is defined and used, the device memory timeline and its lower bound.
+
+Forward and backward are analysed together: a tensor the forward saves for backward is one buffer
+whose uses span both graphs, so the long gap between its last forward use and its first backward
+use is visible as what it is — the best thing to move off the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import sympy
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from zinf_compile.analysis.sizes import dense_dim_order, shape_str, storage_nbytes, tensor_nbytes
+
+
+@dataclass(frozen=True)
+class StepFact:
+    index: int
+    graph: str
+    node: fx.Node
+    flops: int
+    est_time_s: float
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One storage: all the tensors (views) that share it."""
+
+    id: int
+    graph: str  # where it is defined
+    role: str  # input | activation | saved | output | gradient | tangent
+    nbytes: int
+    size_expr: sympy.Expr
+    device: str
+    def_step: int  # first step it is live; -1 (or a graph's first step - 1) for inputs
+    end_step: int  # last step it is live (the timeline's end for what outlives the graphs)
+    use_steps: tuple[int, ...]
+    aliases: tuple[fx.Node, ...]  # nodes whose value lives in this storage, in graph order
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A stretch with no use of a buffer: from `after` (a use or the definition) to `before`
+    (the next use). The buffer may be away during (after, before)."""
+
+    buffer: int
+    after: int
+    before: int
+    source: fx.Node  # the tensor the offload reads (defined by step `after`)
+    target: fx.Node  # the tensor the uses from `before` on read (replaced by the wait)
+    dim_order: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    graphs: tuple[str, ...]
+    device: str
+    steps: tuple[StepFact, ...]
+    buffers: tuple[Buffer, ...]
+    gaps: tuple[Gap, ...]
+    step_of: dict = field(repr=False)  # fx.Node -> step index
+    live: np.ndarray = field(repr=False)  # device bytes live at each step
+    working_set: np.ndarray = field(repr=False)  # bytes the step itself reads and writes
+    lower_bound: int = 0  # peak when every gap is used (prefetch just in time)
+
+    @property
+    def peak(self) -> int:
+        return int(self.live.max()) if len(self.live) else 0
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One graph to analyse. For a backward graph, `saved` maps each of its placeholders that
+    receives a saved tensor to the forward node that produced it."""
+
+    role: str
+    gm: fx.GraphModule
+    num_user_outputs: int = -1  # forward: how many outputs are the user's (-1: all)
+    saved: dict = field(default_factory=dict)  # bw placeholder -> fw node
+
+
+def _tensors_of(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors_of(v)]
+    return []
+
+
+def _is_step(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=None) -> GraphFacts:
+    """Facts of the graphs in `specs`, laid end to end. `step_cost(node) -> (flops, seconds)`."""
+    steps: list[StepFact] = []
+    step_of: dict[fx.Node, int] = {}
+    for spec in specs:
+        for node in spec.gm.graph.nodes:
+            if _is_step(node):
+                flops, secs = step_cost(node) if step_cost else (0, 0.0)
+                step_of[node] = len(steps)
+                steps.append(StepFact(len(steps), spec.role, node, int(flops), float(secs)))
+    n_steps = len(steps)
+    end = n_steps - 1
+
+    # -- buffers: one per storage --------------------------------------------------------------
+    b_graph: list[str] = []
+    b_role: list[str] = []
+    b_size: list[tuple[int, sympy.Expr]] = []
+    b_device: list[str] = []
+    b_def: list[int] = []
+    b_uses: list[set[int]] = []
+    b_aliases: list[list[fx.Node]] = []
+    b_persist: list[bool] = []
+    buffer_of: dict[fx.Node, list[int]] = {}
+
+    def new_buffer(graph, role, t, def_step, node):
+        b_graph.append(graph)
+        b_role.append(role)
+        b_size.append(storage_nbytes(t))
+        b_device.append(t.device.type)
+        b_def.append(def_step)
+        b_uses.append(set())
+        b_aliases.append([node])
+        b_persist.append(role == "input")
+        return len(b_graph) - 1
+
+    for spec in specs:
+        storages: dict[StorageWeakRef, int] = {}
+        graph_steps = [step_of[n] for n in spec.gm.graph.nodes if n in step_of]
+        first = graph_steps[0] if graph_steps else 0
+        for node in spec.gm.graph.nodes:
+            ts = _tensors_of(node.meta.get("val"))
+            if node.op == "placeholder":
+                if node in spec.saved:
+                    src = spec.saved[node]
+                    ids = buffer_of.get(src, [])
+                    buffer_of[node] = ids
+                    for b, t in zip(ids, ts):
+                        storages[StorageWeakRef(t.untyped_storage())] = b
+                        b_aliases[b].append(node)
+                        if b_role[b] == "activation":
+                            b_role[b] = "saved"
+                    continue
+                role = "input" if spec.role != "backward" else "tangent"
+                ids = []
+                for t in ts:
+                    key = StorageWeakRef(t.untyped_storage())
+                    if key not in storages:
+                        storages[key] = new_buffer(spec.role, role, t, first - 1 if role == "tangent" else -1, node)
+                    else:
+                        b_aliases[storages[key]].append(node)
+                    ids.append(storages[key])
+                buffer_of[node] = ids
+                continue
+            if node.op == "output":
+                flat = []
+                fx.node.map_arg(node.args[0], flat.append)
+                n_user = len(flat) if spec.num_user_outputs < 0 else spec.num_user_outputs
+                for i, out in enumerate(flat):
+                    if i < n_user:
+                        for b in buffer_of.get(out, []):
+                            b_persist[b] = True
+                            if b_role[b] not in ("input",):
+                                b_role[b] = "output" if spec.role != "backward" else "gradient"
+                continue
+            if node not in step_of:
+                continue
+            s = step_of[node]
+            for inp in node.all_input_nodes:
+                for b in buffer_of.get(inp, []):
+                    b_uses[b].add(s)
+            ids = []
+            for t in ts:
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in storages:
+                    storages[key] = new_buffer(spec.role, "activation", t, s, node)
+                elif node not in b_aliases[storages[key]]:
+                    b_aliases[storages[key]].append(node)
+                ids.append(storages[key])
+            buffer_of[node] = ids
+
+    dev = device or _majority_device(b_device, b_size)
+    buffers = []
+    for b in range(len(b_graph)):
+        uses = tuple(sorted(b_uses[b]))
+        last = max([b_def[b], *uses]) if (uses or b_def[b] >= 0) else b_def[b]
+        endb = end if b_persist[b] else last
+        buffers.append(
+            Buffer(b, b_graph[b], b_role[b], b_size[b][0], b_size[b][1], b_device[b], b_def[b], endb, uses,
+                   tuple(b_aliases[b]))
+        )
+
+    live = np.zeros(n_steps + 1, dtype=np.int64)
+    ws = np.zeros(max(n_steps, 1), dtype=np.int64)
+    for b in buffers:
+        if b.device != dev or b.nbytes == 0:
+            continue
+        live[max(b.def_step, 0)] += b.nbytes
+        live[b.end_step + 1] -= b.nbytes
+        for s in {*b.use_steps, *( [b.def_step] if b.def_step >= 0 else [])}:
+            ws[s] += b.nbytes
+    live = np.cumsum(live)[:n_steps]
+    graph_of_step = [st.node.graph for st in steps]
+    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step))
+    floor = live.copy()
+    for g in gaps:
+        floor[g.after + 1:g.before] -= buffers[g.buffer].nbytes
+    return GraphFacts(
+        graphs=tuple(s.role for s in specs),
+        device=dev,
+        steps=tuple(steps),
+        buffers=tuple(buffers),
+        gaps=gaps,
+        step_of=step_of,
+        live=live,
+        working_set=ws[:n_steps],
+        lower_bound=int(floor.max()) if n_steps else 0,
+    )
+
+
+def _majority_device(devices: list[str], sizes) -> str:
+    totals: dict[str, int] = {}
+    for d, (n, _) in zip(devices, sizes):
+        totals[d] = totals.get(d, 0) + n
+    non_cpu = {d: n for d, n in totals.items() if d != "cpu"}
+    if non_cpu:
+        return max(non_cpu, key=non_cpu.get)
+    return "cpu"
+
+
+def _gaps(b: Buffer, step_of: dict, graph_of_step: list) -> list[Gap]:
+    """The gaps of a buffer that an offload can use.
+
+    A gap qualifies when the buffer is an activation (inputs and outputs are held by the caller,
+    so moving them frees nothing), every use after the gap reads one alias that covers the whole
+    storage densely, and the tensor read before the gap covers it too.
+    """
+    if b.role not in ("activation", "saved") or b.nbytes == 0 or b.def_step < 0:
+        return []
+    events = sorted({b.def_step, *b.use_steps})
+    out = []
+    for a, c in zip(events, events[1:]):
+        if c - a < 2:
+            continue
+        readers = [u for u in b.aliases if any(step_of.get(user, -1) >= c for user in u.users)]
+        if len(readers) != 1:
+            continue
+        target = readers[0]
+        if target.graph is graph_of_step[a]:
+            source = target if target.op == "placeholder" or step_of[target] <= a else None
+        else:
+            source = _saved_source(b, target, a, step_of)
+        if source is None:
+            continue
+        order = dense_dim_order(source.meta["val"])
+        if order is None or tensor_nbytes(source.meta["val"]) != b.nbytes:
+            continue
+        if dense_dim_order(target.meta["val"]) is None:
+            continue
+        out.append(Gap(b.id, a, c, source, target, tuple(order)))
+    return out
+
+
+def _saved_source(b: Buffer, target: fx.Node, a: int, step_of: dict) -> fx.Node | None:
+    """For a backward placeholder `target`, the one forward node saved into it (the alias the
+    forward offloads right after step `a`)."""
+    fw = [n for n in b.aliases if n.op != "placeholder" and step_of.get(n, 10**18) <= a
+          and any(u.op == "output" for u in n.users)]
+    return fw[0] if len(fw) == 1 else None

@@ -1,0 +1,81 @@
+"""ZinfConfig: every option and environment variable zinf reads, in one place."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from zinf_compile.errors import ZinfConfigError
+from zinf_compile.units import parse_bytes
+
+TIERS = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ZinfConfig:
+    budget: int | None = None  # bytes of device memory; None = what the device has free
+    offload: str = "auto"  # "cpu" | "nvme" | "auto" (cpu when the device is a GPU, nvme on a CPU)
+    offload_dir: str = ""  # where NVMe swap files go; a per-process folder is made inside
+    profile: str = "auto"  # DeviceProfile name or JSON path; "auto" = calibrated file, else built-in
+    io_threads: int = 4
+    o_direct: bool = False
+    verify: bool = True  # run the verifier after every pass
+    dump_dir: str | None = None  # ZINF_DUMP_DIR: dump plans and graphs of each compile
+
+    OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify")
+
+    @staticmethod
+    def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(ZinfConfig.OPTIONS))
+        if unknown:
+            raise ZinfConfigError(
+                f"unknown zinf option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(ZinfConfig.OPTIONS)}"
+            )
+        budget = options.get("budget")
+        if budget is not None and budget != "auto":
+            budget = parse_bytes(budget, "budget")
+        else:
+            budget = None
+        offload = options.get("offload", "auto")
+        if offload not in (*TIERS, "auto"):
+            raise ZinfConfigError(f"offload: expected 'cpu', 'nvme' or 'auto', got {offload!r}")
+        offload_dir = options.get("offload_dir") or os.environ.get("ZINF_OFFLOAD_DIR") or os.path.join(
+            tempfile.gettempdir(), "zinf"
+        )
+        if not isinstance(offload_dir, (str, os.PathLike)):
+            raise ZinfConfigError(f"offload_dir: expected a path, got {offload_dir!r}")
+        io_threads = options.get("io_threads", 4)
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
+            raise ZinfConfigError(f"io_threads: expected a positive int, got {io_threads!r}")
+        for flag in ("o_direct", "verify"):
+            if flag in options and not isinstance(options[flag], bool):
+                raise ZinfConfigError(f"{flag}: expected True or False, got {options[flag]!r}")
+        profile = options.get("profile", "auto")
+        if not isinstance(profile, str):
+            raise ZinfConfigError(f"profile: expected a profile name or a JSON path, got {profile!r}")
+        return ZinfConfig(
+            budget=budget,
+            offload=offload,
+            offload_dir=os.path.abspath(os.fspath(offload_dir)),
+            profile=profile,
+            io_threads=io_threads,
+            o_direct=bool(options.get("o_direct", False)),
+            verify=bool(options.get("verify", True)),
+            dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
+        )
+
+    def tier_for(self, device_type: str) -> str:
+        if self.offload != "auto":
+            return self.offload
+        return "cpu" if device_type != "cpu" else "nvme"
+
+    def key(self) -> str:
+        """A stable digest of every field that changes generated code (FX graph cache key)."""
+        text = repr(dataclasses.astuple(self))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+

@@ -1,0 +1,77 @@
+"""The driver: graphs -> facts -> plan -> passes (verified after each) -> record and dumps."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch.fx as fx
+
+from zinf_compile import records
+from zinf_compile.analysis.facts import GraphSpec, analyze
+from zinf_compile.cost import load_profile, step_cost
+from zinf_compile.planner import make_plan
+
+
+def graph_specs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> list[GraphSpec]:
+    """Specs for an inference graph, or a forward/backward pair linked by the saved tensors."""
+    if "inference" in graphs:
+        return [GraphSpec("inference", graphs["inference"])]
+    fw, bw = graphs["forward"], graphs["backward"]
+    fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    saved_nodes = [n for n in fx.node.map_arg(fw_out.args[0], lambda n: n)][num_fwd_outputs:]
+    # the default partitioner names each backward placeholder after the forward node saved into it;
+    # once rewritten, a saved tensor's handle pairs with its placeholder through their zinf group
+    by_key: dict = {}
+    for n in saved_nodes:
+        if isinstance(n, fx.Node):
+            z = n.meta.get("zinf")
+            by_key[("group", z["group"]) if z else n.name] = n
+    saved = {}
+    for p in bw.graph.find_nodes(op="placeholder"):
+        z = p.meta.get("zinf")
+        key = ("group", z["group"]) if z and z.get("kind") == "handle" else p.name
+        if key in by_key:
+            saved[p] = by_key[key]
+    return [GraphSpec("forward", fw, num_user_outputs=num_fwd_outputs), GraphSpec("backward", bw, saved=saved)]
+
+
+def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int):
+    from zinf_compile.passes import PIPELINE, PassContext, verify
+
+    cfg = session.cfg
+    specs = graph_specs(graphs, num_fwd_outputs)
+    profile = load_profile(cfg.profile, session.device)
+    t0 = time.perf_counter()
+    try:
+        facts = analyze(specs, device=session.device, step_cost=step_cost(profile))
+        plan = make_plan(facts, session.budget, profile, session.tier)
+    except BaseException:
+        if session.engine.live_tickets() == 0:
+            session.engine.close()  # leave no empty swap folder behind a failed compile
+        raise
+    ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
+    before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
+    reports, peak = [], None
+    for p in PIPELINE:
+        reports.append(p(ctx))
+        if cfg.verify:
+            peak = verify(ctx, num_fwd_outputs, p.name)
+    rec = records.add(plan, reports, graphs, peak)
+    if cfg.dump_dir:
+        _dump(cfg.dump_dir, rec, before, time.perf_counter() - t0)
+    return plan
+
+
+def _dump(dump_dir: str, rec, before: dict[str, str], seconds: float) -> None:
+    d = os.path.join(dump_dir, f"compile-{os.getpid()}-{rec.index:03d}")
+    os.makedirs(d, exist_ok=True)
+    rec.plan.save(os.path.join(d, "plan.json"))
+    for role, gm in rec.graphs.items():
+        with open(os.path.join(d, f"{role}.before.txt"), "w") as f:
+            f.write(before.get(role, ""))
+        with open(os.path.join(d, f"{role}.after.txt"), "w") as f:
+            f.write(gm.print_readable(print_output=False))
+    with open(os.path.join(d, "passes.txt"), "w") as f:
+        f.write(f"planned and rewritten in {seconds:.3f} s\n")
+        for r in rec.reports:
+            f.write(f"{r}\n" + "".join(f"  {c}\n" for c in r.changes))

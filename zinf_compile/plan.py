@@ -1,0 +1,123 @@
+"""The memory plan: a frozen, versioned, JSON-serialisable value.
+
+A plan decides; it never rewrites. Steps are the compute nodes of the captured graphs laid on one
+timeline (forward, then backward; or the inference graph alone). Every action is anchored on a step:
+an offload runs right *after* its step, a prefetch and a wait run right *before* theirs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PLAN_VERSION = 1
+
+ActionKind = Literal["offload", "prefetch", "wait"]
+Tier = Literal["cpu", "nvme"]
+TensorRole = Literal["input", "activation", "saved", "output", "gradient", "tangent"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compute node on the timeline."""
+
+    index: int
+    graph: str  # "forward" | "backward" | "inference"
+    name: str  # the FX node's name, for people reading the plan
+    op: str  # the node's target, e.g. "aten.mm.default"
+    est_time_s: float  # the cost model's estimate
+    flops: int
+
+
+@dataclass(frozen=True)
+class TensorLife:
+    """One storage on the compute device: its size and when it is defined and used."""
+
+    id: int
+    name: str  # the node that defines it (a placeholder for inputs)
+    graph: str
+    role: TensorRole
+    nbytes: int  # at the size hints
+    size_expr: str  # symbolic byte count, e.g. "3072*s0"
+    shape: str  # e.g. "[s0, 768]"
+    dtype: str
+    def_step: int  # -1 for graph inputs (live before the first step)
+    use_steps: tuple[int, ...]
+    movable: bool  # False for graph inputs/outputs, views we cannot re-create, etc.
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    tensor: int  # TensorLife.id
+    step: int  # anchor step (after it for offload; before it for prefetch/wait)
+    tier: Tier
+    nbytes: int
+    group: int  # offload/prefetch/wait of one gap share a group id
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    graphs: tuple[str, ...]
+    device: str  # the compute device type, e.g. "cpu" or "cuda"
+    profile: str  # DeviceProfile name
+    budget: int
+    tier: Tier
+    steps: tuple[Step, ...]
+    tensors: tuple[TensorLife, ...]
+    actions: tuple[Action, ...]
+    timeline_before: tuple[int, ...]  # device bytes live during each step, without the plan
+    timeline_after: tuple[int, ...]  # ... and with it
+    peak_before: int
+    peak_after: int
+    lower_bound: int  # largest single-step working set plus what cannot move
+    bytes_moved: dict[str, int]  # tier -> bytes written+read per step of training/inference
+    predicted_compute_s: float
+    predicted_stall_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    # -- summaries -------------------------------------------------------------------------------
+    def action_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for a in self.actions:
+            counts[a.kind] = counts.get(a.kind, 0) + 1
+        return counts
+
+    def is_empty(self) -> bool:
+        return not self.actions
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "Plan":
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {data.get('version')!r} is not supported (this zinf reads version {PLAN_VERSION})"
+            )
+        d = dict(data)
+        d["graphs"] = tuple(d["graphs"])
+        d["steps"] = tuple(Step(**s) for s in d["steps"])
+        d["tensors"] = tuple(
+            TensorLife(**{**t, "use_steps": tuple(t["use_steps"])}) for t in d["tensors"]
+        )
+        d["actions"] = tuple(Action(**a) for a in d["actions"])
+        d["timeline_before"] = tuple(d["timeline_before"])
+        d["timeline_after"] = tuple(d["timeline_after"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return Plan(**d)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        with open(path) as f:
+            return Plan.from_json(json.load(f))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.dumps())

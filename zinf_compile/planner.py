@@ -1,0 +1,176 @@
+"""The planner: (graph facts, budget, profile, tier) -> Plan. Decides; never rewrites.
+
+1. If the timeline fits the budget, the plan is empty.
+2. The lower bound is the peak with every gap used and every prefetch just in time. Above the
+   budget, no plan exists: BudgetError names both numbers.
+3. Greedy cover: take gaps by bytes x length (big tensors away for long, cheapest per byte freed),
+   each only if it frees memory at a step still over the budget. Then drop any gap the others
+   make unnecessary (last taken first).
+4. Prefetch distance: move each prefetch earlier until the read is hidden under the compute of the
+   steps it spans, while the timeline stays within the budget.
+5. Simulate: compute and the I/O channel in time; a wait whose read is not done stalls.
+Deterministic: every choice breaks ties by step and buffer id.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from zinf_compile.analysis.facts import Gap, GraphFacts
+from zinf_compile.cost import DeviceProfile
+from zinf_compile.errors import BudgetError
+from zinf_compile.plan import PLAN_VERSION, Action, Plan, Step, TensorLife
+from zinf_compile.units import format_bytes
+
+
+def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str) -> Plan:
+    nbytes = {b.id: b.nbytes for b in facts.buffers}
+    live = facts.live.astype(np.int64).copy()
+    notes: list[str] = []
+    chosen: list[Gap] = []
+    if len(live) and live.max() > budget:
+        if facts.lower_bound > budget:
+            raise BudgetError(budget, facts.lower_bound, facts.lower_bound)
+        chosen = _cover(facts.gaps, nbytes, live, budget)
+    prefetch_at = _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier)
+    if tier == "cpu" and facts.device == "cpu" and chosen:
+        notes.append("the CPU tier on a CPU device frees no memory: tensors stay in the same RAM. "
+                     "Use offload='nvme' to lower the peak.")
+    actions = []
+    for group, g in enumerate(chosen):
+        n = nbytes[g.buffer]
+        actions.append(Action("offload", g.buffer, g.after, tier, n, group))
+        actions.append(Action("prefetch", g.buffer, prefetch_at[group], tier, n, group))
+        actions.append(Action("wait", g.buffer, g.before, tier, n, group))
+    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
+    compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier)
+    moved = sum(2 * nbytes[g.buffer] for g in chosen)
+    if tier == "cpu" and facts.device == "cpu":
+        after = facts.live.copy()  # nothing is really freed
+    else:
+        after = live
+    return Plan(
+        version=PLAN_VERSION,
+        graphs=facts.graphs,
+        device=facts.device,
+        profile=profile.name,
+        budget=int(budget),
+        tier=tier,  # type: ignore[arg-type]
+        steps=tuple(Step(s.index, s.graph, s.node.name, _op_name(s.node), s.est_time_s, s.flops) for s in facts.steps),
+        tensors=_tensor_lives(facts, {g.buffer for g in chosen}),
+        actions=tuple(actions),
+        timeline_before=tuple(int(x) for x in facts.live),
+        timeline_after=tuple(int(x) for x in after),
+        peak_before=facts.peak,
+        peak_after=int(after.max()) if len(after) else 0,
+        lower_bound=int(facts.lower_bound),
+        bytes_moved={tier: int(moved)} if moved else {},
+        predicted_compute_s=compute_s,
+        predicted_stall_s=stall_s,
+        notes=tuple(notes),
+    )
+
+
+def _cover(gaps, nbytes, live: np.ndarray, budget: int) -> list[Gap]:
+    """Greedy: gaps that free memory where the timeline is over budget, biggest first."""
+    order = sorted(gaps, key=lambda g: (-nbytes[g.buffer] * (g.before - g.after - 1), g.after, g.buffer))
+    chosen: list[Gap] = []
+    for g in order:
+        span = live[g.after + 1:g.before]
+        if not len(span) or span.max() <= budget:
+            continue
+        span -= nbytes[g.buffer]
+        chosen.append(g)
+        if live.max() <= budget:
+            break
+    # drop what the others make unnecessary, most recently taken first
+    for g in reversed(list(chosen)):
+        span = live[g.after + 1:g.before]
+        if (span + nbytes[g.buffer]).max() <= budget:
+            span += nbytes[g.buffer]
+            chosen.remove(g)
+    chosen.sort(key=lambda g: (g.after, g.buffer))
+    return chosen
+
+
+def _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier) -> list[int]:
+    """Move each prefetch back from its use until its read is hidden, staying within budget.
+    Updates `live` in place for the steps where prefetched data is already back."""
+    times = np.array([s.est_time_s for s in facts.steps], dtype=np.float64)
+    graph_start: dict[str, int] = {}
+    for st in facts.steps:
+        graph_start.setdefault(st.graph, st.index)
+    at = [g.before for g in chosen]
+    for i in sorted(range(len(chosen)), key=lambda i: (chosen[i].before, chosen[i].buffer)):
+        g = chosen[i]
+        n = nbytes[g.buffer]
+        need = profile.transfer_time(n, tier, "in")
+        p, hidden = g.before, 0.0
+        # a prefetch runs in the graph that uses the tensor, never before that graph starts
+        floor = max(g.after + 1, graph_start[facts.steps[g.before].graph])
+        while p - 1 >= floor and hidden < need and live[p - 1] + n <= budget:
+            p -= 1
+            live[p] += n
+            hidden += times[p]
+        at[i] = p
+    return at
+
+
+def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier) -> tuple[float, float]:
+    """(compute seconds, stall seconds): steps run back to back; reads queue on one channel and
+    start at their prefetch step; a wait stalls until its read is done. Writes are synchronous."""
+    starts: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
+    offloads: dict[int, list[int]] = {}
+    for i, g in enumerate(chosen):
+        starts.setdefault(prefetch_at[i], []).append(i)
+        waits.setdefault(g.before, []).append(i)
+        offloads.setdefault(g.after, []).append(i)
+    clock = channel = stall = compute = 0.0
+    done: dict[int, float] = {}
+    for s in facts.steps:
+        for i in starts.get(s.index, ()):
+            channel = max(channel, clock) + profile.transfer_time(nbytes[chosen[i].buffer], tier, "in")
+            done[i] = channel
+        for i in waits.get(s.index, ()):
+            if done[i] > clock:
+                stall += done[i] - clock
+                clock = done[i]
+        clock += s.est_time_s
+        compute += s.est_time_s
+        for i in offloads.get(s.index, ()):
+            w = profile.transfer_time(nbytes[chosen[i].buffer], tier, "out")
+            stall += w
+            clock += w
+    return compute, stall
+
+
+def _op_name(node) -> str:
+    t = node.target
+    return str(t) if not hasattr(t, "__name__") or hasattr(t, "overloadpacket") else t.__name__
+
+
+def _tensor_lives(facts: GraphFacts, moved: set[int]) -> tuple[TensorLife, ...]:
+    """Tensors worth showing: the moved ones and the larger ones (all of them for small graphs)."""
+    bufs = [b for b in facts.buffers if b.device == facts.device]
+    if len(bufs) > 2000:
+        keep = sorted(bufs, key=lambda b: -b.nbytes)[:2000]
+        bufs = sorted({*keep, *(b for b in bufs if b.id in moved)}, key=lambda b: b.id)
+    movable = {g.buffer for g in facts.gaps}
+    from zinf_compile.analysis.sizes import shape_str
+
+    out = []
+    for b in bufs:
+        val = b.aliases[0].meta.get("val")
+        if isinstance(val, (list, tuple)):
+            val = next((v for v in val if hasattr(v, "shape")), None)
+        out.append(TensorLife(
+            id=b.id, name=b.aliases[0].name, graph=b.graph, role=b.role,  # type: ignore[arg-type]
+            nbytes=b.nbytes, size_expr=str(b.size_expr),
+            shape=shape_str(val) if val is not None else "?", dtype=str(getattr(val, "dtype", "?")).replace("torch.", ""),
+            def_step=b.def_step, use_steps=b.use_steps, movable=b.id in movable,
+        ))
+    return tuple(out)
+
+
+def describe_budget_failure(facts: GraphFacts, budget: int) -> str:
+    return f"peak {format_bytes(facts.peak)}, lower bound {format_bytes(facts.lower_bound)}, budget {format_bytes(budget)}"

@@ -1,0 +1,346 @@
+"""The offload engine: where tensors go when the plan sends them away, and how they come back.
+
+A tensor sent away is represented in the graph by a *handle*: an int64 tensor with one element,
+expanded (stride 0) to the tensor's shape. The element is a ticket number; the shape keeps every
+symbolic size visible to the graph that receives the handle, so dynamic shapes stay bound.
+
+Writes are synchronous with respect to the graph: Inductor may reuse a buffer for a later result as
+soon as its last use (our offload op) returns, so the data must have left before. With buffered
+I/O the kernel's page cache makes such writes cheap; the transfer that costs, the read, is the one
+that overlaps compute: `prefetch` submits it to a thread pool, `wait` joins it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zinf_compile.errors import ZinfError
+from zinf_compile.runtime.swapdir import SwapDir
+
+CHUNK_BYTES = 16 << 20  # one positional read/write; chunks of a tensor run in parallel
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
+
+
+@dataclass
+class Stored:
+    """A tensor away from the device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    host: torch.Tensor | None = None  # cpu tier
+    file: int | None = None  # nvme tier: swap file number
+    fd: int | None = None
+    refs: int = 0
+
+
+@dataclass
+class PendingRead:
+    """A prefetch in flight: the destination and what completes it."""
+
+    dest: torch.Tensor
+    futures: list[Future] = field(default_factory=list)
+    event: object | None = None  # CUDA event recorded after the host-to-device copy
+    refs: int = 0
+
+
+def _byte_view(t: torch.Tensor):
+    """A writable uint8 numpy view over a contiguous CPU tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class OffloadEngine:
+    """One per (tier, offload_dir, io options); ops find it through `engine(key)`."""
+
+    def __init__(self, key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> None:
+        self.key = key
+        self.tier = tier
+        self.offload_dir = offload_dir
+        self.io_threads = io_threads
+        self.o_direct_requested = o_direct
+        self._swap: SwapDir | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._stored: dict[int, Stored] = {}
+        self._reads: dict[int, PendingRead] = {}
+        self._side_streams: dict[torch.device, object] = {}
+        self.stats = {"offloads": 0, "prefetches": 0, "waits": 0, "bytes_written": 0, "bytes_read": 0}
+        if tier == "nvme":
+            self.swap  # fail now, naming the path, rather than in the middle of a step
+
+    # -- resources, made on first use ---------------------------------------------------------
+    @property
+    def swap(self) -> SwapDir:
+        if self._swap is None:
+            self._swap = SwapDir(self.offload_dir, self.o_direct_requested)
+        return self._swap
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="zinf-io")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._stored.clear()
+        self._reads.clear()
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
+
+    def live_tickets(self) -> int:
+        return len(self._stored) + len(self._reads)
+
+    # -- handles ------------------------------------------------------------------------------
+    def _handle(self, ticket: int, shape) -> torch.Tensor:
+        # The handle's one element lives in a numpy array that its storage owns: when the last
+        # view of the handle dies (wherever autograd or Inductor re-wrapped it), the array dies
+        # and the ticket is released. A finalizer on the tensor object itself would fire too early.
+        cell = np.array([ticket], dtype=np.int64)
+        weakref.finalize(cell, self._drop, ticket)
+        base = torch.from_numpy(cell)
+        return base.expand(*shape) if len(shape) else base.view(())
+
+    @staticmethod
+    def ticket_of(h: torch.Tensor) -> int:
+        return int(h.as_strided((1,), (1,), h.storage_offset())[0])
+
+    def _drop(self, ticket: int) -> None:
+        with self._lock:
+            s = self._stored.get(ticket)
+            if s is not None:
+                s.refs -= 1
+                if s.refs <= 0:
+                    del self._stored[ticket]
+                    if s.file is not None and self._swap is not None:
+                        self._swap.release(s.file)
+                return
+            r = self._reads.get(ticket)
+            if r is not None:
+                r.refs -= 1
+                if r.refs <= 0:
+                    del self._reads[ticket]
+
+    # -- the three operations -----------------------------------------------------------------
+    def offload(self, x: torch.Tensor, dim_order: list[int]) -> torch.Tensor:
+        """Send `x` to the tier; returns its handle. `x` is laid out in `dim_order` first."""
+        data = x.permute(dim_order).contiguous()
+        stored = Stored(tuple(data.shape), data.dtype, data.numel() * data.element_size())
+        if self.tier == "cpu":
+            stored.host = self._to_host(data)
+        else:
+            stored.file, stored.fd = self.swap.acquire()
+            host = self._to_host(data) if data.device.type != "cpu" else data
+            try:
+                self._run_chunks(self._write_chunk, stored.fd, host, stored.nbytes)
+            except BaseException:
+                self.swap.release(stored.file)
+                raise
+            self.stats["bytes_written"] += stored.nbytes
+        ticket = next(self._ids)
+        stored.refs = 1
+        with self._lock:
+            self._stored[ticket] = stored
+        self.stats["offloads"] += 1
+        return self._handle(ticket, x.shape)
+
+    def prefetch(self, h: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Start bringing the tensor behind `h` back to `device`; returns a new handle."""
+        stored = self._stored_of(h)
+        pending = PendingRead(dest=torch.empty(stored.shape, dtype=stored.dtype, device=device))
+        if self.tier == "cpu":
+            self._copy_in(stored.host, pending)
+        elif device.type == "cpu":
+            pending.futures = self._submit_chunks(self._read_chunk, stored.fd, pending.dest, stored.nbytes)
+        else:
+            staging = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)
+            futures = self._submit_chunks(self._read_chunk, stored.fd, staging, stored.nbytes)
+            pending.futures = [self.pool.submit(self._after_read_copy_in, futures, staging, pending)]
+        self.stats["bytes_read"] += stored.nbytes if self.tier == "nvme" else 0
+        ticket = next(self._ids)
+        pending.refs = 1
+        with self._lock:
+            self._reads[ticket] = pending
+        self.stats["prefetches"] += 1
+        return self._handle(ticket, h.shape)
+
+    def wait(self, h: torch.Tensor, device: torch.device, dim_order: list[int]) -> torch.Tensor:
+        """The tensor behind a prefetch handle (or an offload handle: then read it now)."""
+        ticket = self.ticket_of(h)
+        with self._lock:
+            pending = self._reads.get(ticket)
+        if pending is None:
+            tmp = self.prefetch(h, device)  # keep the handle alive while we use its read
+            with self._lock:
+                pending = self._reads[self.ticket_of(tmp)]
+        for f in pending.futures:
+            f.result()  # re-raises an I/O error here, in the step that needs the data
+        if pending.event is not None:
+            torch.cuda.current_stream(device).wait_event(pending.event)
+        self.stats["waits"] += 1
+        inverse = [0] * len(dim_order)
+        for i, d in enumerate(dim_order):
+            inverse[d] = i
+        return pending.dest.permute(inverse)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _stored_of(self, h: torch.Tensor) -> Stored:
+        ticket = self.ticket_of(h)
+        with self._lock:
+            stored = self._stored.get(ticket)
+        if stored is None:
+            raise ZinfError(f"zinf: offloaded tensor #{ticket} is gone (was its graph already freed?)")
+        return stored
+
+    def _side_stream(self, device: torch.device):
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+    def _to_host(self, data: torch.Tensor) -> torch.Tensor:
+        if data.device.type == "cpu":
+            return data  # a CPU tier on a CPU device frees nothing: the data stays where it is
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        stream = self._side_stream(data.device)
+        stream.wait_stream(torch.cuda.current_stream(data.device))
+        with torch.cuda.stream(stream):
+            host.copy_(data, non_blocking=True)
+        # the source may be reused by the next kernel as soon as we return: wait for the copy
+        stream.synchronize()
+        return host
+
+    def _copy_in(self, host: torch.Tensor, pending: PendingRead) -> None:
+        dest = pending.dest
+        if dest.device.type == "cpu":
+            dest.copy_(host)
+            return
+        stream = self._side_stream(dest.device)
+        stream.wait_stream(torch.cuda.current_stream(dest.device))
+        with torch.cuda.stream(stream):
+            dest.copy_(host, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record(stream)
+        dest.record_stream(stream)
+
+    def _after_read_copy_in(self, futures: list[Future], staging: torch.Tensor, pending: PendingRead) -> None:
+        for f in futures:
+            f.result()
+        self._copy_in(staging, pending)
+
+    def _chunks(self, nbytes: int):
+        step = CHUNK_BYTES
+        return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)] or [(0, 0)]
+
+    def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int) -> list[Future]:
+        view = _byte_view(t) if nbytes else None
+        return [self.pool.submit(fn, fd, view, off, n) for off, n in self._chunks(nbytes)]
+
+    def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int) -> None:
+        errors = []
+        for f in self._submit_chunks(fn, fd, t, nbytes):
+            try:
+                f.result()
+            except BaseException as e:  # wait for every chunk before raising
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _write_chunk(self, fd: int, view, off: int, n: int) -> None:
+        if n == 0:
+            return
+        if self._swap is not None and self._swap.o_direct:
+            padded = _round_up(n, ALIGN)
+            buf = _aligned(padded)
+            buf[:n] = view[off:off + n]
+            _pwrite_all(fd, memoryview(buf), off)
+            return
+        try:
+            _pwrite_all(fd, memoryview(view[off:off + n]), off)
+        except OSError as e:
+            raise ZinfError(
+                f"zinf: writing {n} bytes to the NVMe swap folder {self._swap.path!r} failed: {e.strerror}"
+            ) from None
+
+    def _read_chunk(self, fd: int, view, off: int, n: int) -> None:
+        if n == 0:
+            return
+        if self._swap is not None and self._swap.o_direct:
+            buf = _aligned(_round_up(n, ALIGN))
+            _pread_all(fd, memoryview(buf), off)
+            view[off:off + n] = buf[:n]
+            return
+        _pread_all(fd, memoryview(view[off:off + n]), off)
+
+
+def _round_up(n: int, m: int) -> int:
+    return int(math.ceil(n / m) * m)
+
+
+_aligned_local = threading.local()
+
+
+def _aligned(n: int):
+    """A page-aligned, reusable (per I/O thread) buffer of at least n bytes, as a numpy view."""
+    import mmap
+
+    import numpy as np
+
+    buf = getattr(_aligned_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = mmap.mmap(-1, max(n, CHUNK_BYTES))
+        _aligned_local.buf = buf
+    return np.frombuffer(buf, dtype=np.uint8, count=n)
+
+
+def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        written = os.pwrite(fd, mv, off)
+        mv, off = mv[written:], off + written
+
+
+def _pread_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        got = os.preadv(fd, [mv], off)
+        if got == 0:
+            raise ZinfError("zinf: swap file ended early (was it removed or truncated?)")
+        mv, off = mv[got:], off + got
+
+
+_ENGINES: dict[int, OffloadEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def register_engine(key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> OffloadEngine:
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            eng = OffloadEngine(key, tier, offload_dir, io_threads, o_direct)
+            _ENGINES[key] = eng
+        return eng
+
+
+def engine(key: int) -> OffloadEngine:
+    try:
+        return _ENGINES[key]
+    except KeyError:
+        raise ZinfError(f"zinf: no offload engine #{key} in this process (compiled code from another?)") from None
+
+
+def close_all() -> None:
+    """Close every engine: stop I/O threads, remove swap files. Runs at exit too."""
+    with _ENGINES_LOCK:
+        for eng in _ENGINES.values():
+            eng.close()
+        _ENGINES.clear()

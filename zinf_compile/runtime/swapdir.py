@@ -1,0 +1,123 @@
+"""The per-process folder of NVMe swap files: made on first use, removed at exit and on error."""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import threading
+import weakref
+
+from zinf_compile.errors import ZinfConfigError, ZinfError
+
+
+class SwapDir:
+    """`<offload_dir>/zinf-<pid>-<token>/`, holding reusable swap files `swap-<n>.bin`.
+
+    Files are reused: a file freed by one tensor is rewritten by the next, so a training loop opens
+    a fixed set of files. Everything this object created (including missing parents of the offload
+    directory) is removed by `close()`, which also runs at interpreter exit.
+    """
+
+    def __init__(self, offload_dir: str, o_direct: bool = False) -> None:
+        self.offload_dir = offload_dir
+        self._created: list[str] = []
+        self._lock = threading.Lock()
+        self._free: list[int] = []
+        self._fds: dict[int, int] = {}
+        self.o_direct = o_direct
+        try:
+            missing = []
+            p = offload_dir
+            while not os.path.isdir(p):
+                if os.path.exists(p):
+                    raise NotADirectoryError(f"{p!r} exists and is not a directory")
+                missing.append(p)
+                p = os.path.dirname(p)
+            for d in reversed(missing):
+                os.mkdir(d)
+                self._created.append(d)
+            self.path = os.path.join(offload_dir, f"zinf-{os.getpid()}-{secrets.token_hex(4)}")
+            os.mkdir(self.path)
+            self._created.append(self.path)
+            probe = os.path.join(self.path, "probe")
+            with open(probe, "wb") as f:
+                f.write(b"zinf")
+            os.remove(probe)
+        except OSError as e:
+            self._remove_created()
+            raise ZinfConfigError(
+                f"offload_dir {offload_dir!r} cannot be used for NVMe swap files: {e.strerror or e}"
+                f" ({getattr(e, 'filename', None) or offload_dir}); pass a writable directory as "
+                f"options={{'offload_dir': ...}}"
+            ) from None
+        if o_direct and not self._supports_o_direct():
+            self.o_direct = False
+        self._finalizer = weakref.finalize(self, SwapDir._cleanup, self._fds, list(self._created))
+        atexit.register(self._finalizer)
+
+    def _supports_o_direct(self) -> bool:
+        flag = getattr(os, "O_DIRECT", None)
+        if flag is None:
+            return False
+        probe = os.path.join(self.path, "odirect-probe")
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_RDWR | flag, 0o600)
+            os.close(fd)
+            return True
+        except OSError:
+            return False  # e.g. tmpfs: fall back to buffered I/O
+        finally:
+            if os.path.exists(probe):
+                os.remove(probe)
+
+    def acquire(self) -> tuple[int, int]:
+        """A (file number, fd) to write one tensor into."""
+        with self._lock:
+            if self._fds is None:
+                raise ZinfError("the NVMe swap folder was already closed")
+            if self._free:
+                n = self._free.pop()
+                return n, self._fds[n]
+            n = len(self._fds)
+            flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if self.o_direct else 0)
+            try:
+                fd = os.open(os.path.join(self.path, f"swap-{n}.bin"), flags, 0o600)
+            except OSError as e:
+                raise ZinfError(f"cannot create a swap file in {self.path!r}: {e.strerror}") from None
+            self._fds[n] = fd
+            return n, fd
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            if self._fds is not None and n in self._fds:
+                self._free.append(n)
+
+    def file_count(self) -> int:
+        return len(self._fds)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _remove_created(self) -> None:
+        for d in reversed(self._created):
+            shutil.rmtree(d, ignore_errors=True)
+        self._created.clear()
+
+    @staticmethod
+    def _cleanup(fds: dict[int, int], created: list[str]) -> None:
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        fds.clear()
+        # the session folder first, then the parents this process made, if they are empty
+        for d in reversed(created):
+            if d == created[-1]:
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
