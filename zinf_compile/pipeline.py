@@ -35,6 +35,13 @@ def graph_specs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> list
     return [GraphSpec("forward", fw, num_user_outputs=num_fwd_outputs), GraphSpec("backward", bw, saved=saved)]
 
 
+def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget: int, profile, tier: str,
+                device: str = "cpu"):
+    """Facts and plan for captured graphs, rewriting nothing (the offline `zinf plan`)."""
+    facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
+    return facts, make_plan(facts, budget, profile, tier)
+
+
 def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int):
     from zinf_compile.passes import PIPELINE, PassContext, verify
 

@@ -23,7 +23,6 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
     for tier in sorted(plan.bytes_moved):
         rows.append((f"bytes moved ({tier})", format_bytes(plan.bytes_moved[tier])))
     rows += [
-        ("write window", format_bytes(plan.write_window)),
         ("predicted compute", format_seconds(plan.predicted_compute_s)),
         ("predicted stall", format_seconds(plan.predicted_stall_s)),
         ("actions", counts_text(plan, LANES)),
