@@ -1,6 +1,7 @@
 """The driver: graphs -> facts -> plan -> passes (verified after each) -> record and dumps."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -39,7 +40,11 @@ def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget:
                 device: str = "cpu"):
     """Facts and plan for captured graphs, rewriting nothing (the offline `zinf plan`)."""
     facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
-    return facts, make_plan(facts, budget, profile, tier)
+    plan = make_plan(facts, budget, profile, tier)
+    if profile.device != device:  # traced on `device`, planned for the target's memory and rates
+        plan = dataclasses.replace(plan, device=profile.device,
+                                   notes=(*plan.notes, f"traced on {device}, planned for {profile.name}"))
+    return facts, plan
 
 
 def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int):

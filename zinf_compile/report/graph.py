@@ -108,8 +108,7 @@ def write_dot(plan: Plan, path: str, max_nodes: int = 400) -> str:
              "  edge [color=gray55, arrowsize=0.6, fontname=Helvetica, fontsize=8];"]
     lines += _clusters(plan, kept, acted)
     lines += _inputs_and_edges(plan, kept_set, by_tensor, small=note is None)
-    if note:
-        lines += _skip_edges(kept)
+    lines += _order_edges(kept)
     lines.append("}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -165,10 +164,14 @@ def _inputs_and_edges(plan: Plan, kept: set[int], by_tensor: dict[int, list[Grou
     return out
 
 
-def _skip_edges(kept: list[int]) -> list[str]:
+def _order_edges(kept: list[int]) -> list[str]:
+    """Keep the timeline order: an invisible edge between neighbouring steps, a dotted one (with
+    the count) across steps left out."""
     out = []
     for a, b in zip(kept, kept[1:]):
-        if b - a > 1:
+        if b - a == 1:
+            out.append(f"  s{a} -> s{b} [style=invis];")
+        else:
             out.append(f"  s{a} -> s{b} " + _attrs(style="dotted", color="gray70", arrowhead="none",
                                                    label=f"+{b - a - 1} steps",
                                                    fontcolor="gray50") + ";")
