@@ -81,3 +81,21 @@ def can_measure() -> str | None:
     except OSError as e:
         return f"cannot reset VmHWM: {e}"
     return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def mallinfo() -> dict[str, int] | None:
+    """glibc's mallinfo2 (all arenas), bytes: `heap` (brk/arena space, resident or not), `mmapped`
+    (large blocks in their own mappings), `in_use` (allocated heap bytes), `free` (free heap bytes:
+    resident until trimmed once touched). None when this glibc has no mallinfo2 (< 2.33)."""
+    try:
+        f = _libc().mallinfo2
+    except AttributeError:
+        return None
+    f.restype = _MallInfo2
+    m = f()
+    return {"heap": m.arena, "mmapped": m.hblkhd, "in_use": m.uordblks, "free": m.fordblks}

@@ -41,10 +41,21 @@ EAGER_FLOOR = 2.0  # eager's growth / budget must be > this
 SAVED_FACTOR = 3.0  # saved activations must be >= this x the budget
 
 # The model: sizes chosen so that (at the default budget of 64 MiB)
-#   saved activations  ~ layers x batch x hidden x 4 B = 24 x 8 MiB = 192+ MiB  (>= 3x the budget)
-#   params + grads     ~ 2 x 24 x 1 MiB = 48 MiB, the largest step's working set ~ 3 x 8 MiB,
-# so zinf's lower bound stays under the budget (it raises BudgetError naming it otherwise).
-DEFAULTS = dict(layers=24, hidden=512, batch=4096, seed=0, lr=1e-3, warmup=2, threads=2)
+#   saved activations  = layers x batch x hidden x 4 B = 28 x 8 MiB = 224 MiB  (3.5x the budget)
+#   params + grads     = 2 x 28 x 0.25 MiB = 14 MiB; input 8 MiB; largest step's working set ~ 3 x 8 MiB
+# so zinf's lower bound (~40 MiB) stays under the budget (it raises BudgetError naming it otherwise).
+# A narrow layer (256) keeps params small and the compute per activation byte low: with hidden 512
+# the lower bound is 73 MiB (params and grads alone are 48 MiB) and steps take twice as long.
+DEFAULTS = dict(layers=28, hidden=128, batch=16384, seed=0, lr=1e-3, warmup=2, threads=2)
+
+# glibc raises its mmap threshold dynamically (up to 32 MiB) after the first large free; from then
+# on every activation comes from the brk heap, and the heap keeps freed chunks resident until a trim.
+# VmHWM then counts every heap address a step ever touched, not the bytes live at once, and the
+# result depends on where first-fit happened to place each tensor. Pinning the threshold at glibc's
+# own initial value (128 KiB) keeps large tensors in their own mappings, returned on free, so RSS
+# follows the live bytes. Applied to every contender alike; `--malloc-env none` measures with
+# glibc's defaults instead.
+DEFAULT_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_=131072",)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,10 +82,11 @@ def _build(args):
 
 def saved_activation_bytes(model, x) -> int:
     """Bytes of the distinct storages autograd saves for backward in one eager forward, parameters
-    excluded: what a training step holds between its forward and its backward."""
+    and the input excluded: what a training step adds between its forward and its backward."""
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params.add(x.untyped_storage().data_ptr())
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -92,6 +104,9 @@ def saved_activation_bytes(model, x) -> int:
 def _plan_summary(plan) -> dict:
     saved = sum(t.nbytes for t in plan.tensors if t.role == "saved")
     moved = sum(a.nbytes for a in plan.actions if a.kind == "offload")
+    after = list(plan.timeline_after)
+    at = max(range(len(after)), key=after.__getitem__) if after else 0
+    peak_step = plan.steps[at] if plan.steps else None
     return {
         "graphs": list(plan.graphs),
         "budget": plan.budget,
@@ -102,6 +117,9 @@ def _plan_summary(plan) -> dict:
         "offloaded_bytes": moved,
         "saved_bytes": saved,
         "live_at_start": plan.timeline_before[0] if plan.timeline_before else 0,
+        "peak_after_step": {"index": at, "graph": peak_step.graph, "name": peak_step.name, "op": peak_step.op}
+        if peak_step else None,
+        "steps": len(plan.steps),
         "bytes_moved": dict(plan.bytes_moved),
         "predicted_compute_s": plan.predicted_compute_s,
         "predicted_stall_s": plan.predicted_stall_s,
@@ -171,6 +189,7 @@ def worker(args) -> dict:
     result["warmup_s"] = times[:]
     gc.collect()
     base = _rss.baseline()  # malloc_trim(0); VmRSS; reset VmHWM
+    heap_at_base = _rss.mallinfo()
     step_s, hwm_after = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -178,7 +197,10 @@ def worker(args) -> dict:
         step_s.append(time.perf_counter() - t0)
         hwm_after.append(_rss.hwm())
     peak = _rss.hwm()
+    heap_after = _rss.mallinfo()
     result.update(
+        heap_at_baseline=heap_at_base,
+        heap_after_steps=heap_after,
         baseline_rss=base,
         hwm=peak,
         growth=peak - base,
@@ -188,8 +210,11 @@ def worker(args) -> dict:
         step_s=step_s,
     )
     if args.worker == "zinf-nvme":
+        import importlib
+
         import zinf_compile
-        from zinf_compile.runtime import engine as zengine
+
+        zengine = importlib.import_module("zinf_compile.runtime.engine")
 
         plans = [p for p in zinf_compile.last_plans() if "forward" in p.graphs]
         result["plans"] = [_plan_summary(p) for p in plans]
@@ -315,10 +340,18 @@ def _draw(summary: dict, budget: int, path: str, title: str) -> None:
 def _env_for_workers(args) -> tuple[dict, dict]:
     env = dict(os.environ)
     extra = {}
-    for kv in args.malloc_env:
-        k, _, v = kv.partition("=")
+    chosen = DEFAULT_MALLOC_ENV if args.malloc_env is None else args.malloc_env
+    for kv in chosen:
+        if kv.lower() in ("none", "default", ""):
+            continue
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--malloc-env: expected KEY=VALUE or 'none', got {kv!r}")
         extra[k] = v
     env.update(extra)
+    # what the workers inherit besides: it changes the measurement, so it goes into the record
+    extra.update({k: v for k, v in os.environ.items()
+                  if (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES") and k not in extra})
     env["OMP_NUM_THREADS"] = str(args.threads)
     # the repository root on the path, so `-m bench.memory` resolves from anywhere
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,7 +404,8 @@ def parent(args) -> int:
         if p:
             print(f"\nzinf plan (training): peak {p['peak_before'] / MiB:.1f} -> {p['peak_after'] / MiB:.1f} MiB, "
                   f"lower bound {p['lower_bound'] / MiB:.1f} MiB, live at start {p['live_at_start'] / MiB:.1f} MiB, "
-                  f"actions {p['action_counts']}, offloaded {p['offloaded_bytes'] / MiB:.1f} MiB per step")
+                  f"actions {p['action_counts']}, offloaded {p['offloaded_bytes'] / MiB:.1f} MiB per step; "
+                  f"predicted growth over the step's start {(p['peak_after'] - p['live_at_start']) / MiB:.1f} MiB")
         print(f"zinf swap folder: {len(zr[0]['swap_files_during_run'])} entries during the run "
               f"({zr[0]['swap_bytes_on_disk'] / MiB:.1f} MiB on disk), "
               f"{len(zr[0]['files_left_after_exit'])} left after exit")
@@ -434,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs of each contender, alternating (default 1)")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="where memory.json/.png go")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
-    p.add_argument("--malloc-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for every worker alike, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
+    p.add_argument("--malloc-env", action="append", default=None, metavar="KEY=VALUE",
+                   help="environment for every worker alike (repeatable); default "
+                        f"{' '.join(DEFAULT_MALLOC_ENV)}; 'none' = glibc's defaults")
     p.add_argument("--timeout", type=float, default=600, help="seconds per worker")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k}", type=type(v), default=v, help=f"(default {v})")

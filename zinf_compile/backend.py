@@ -54,6 +54,7 @@ class Session:
     def start(cfg: ZinfConfig, device: str) -> "Session":
         tier = cfg.tier_for(device)
         budget = cfg.budget if cfg.budget is not None else _free_device_memory(device)
+        # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
         return Session(cfg, device, tier, budget, key)

@@ -17,6 +17,7 @@ TIERS = ("cpu", "nvme")
 @dataclass(frozen=True)
 class ZinfConfig:
     budget: int | None = None  # bytes of device memory; None = what the device has free
+    budget_fraction: float | None = None  # "80%": that share of each graph's unplanned peak
     offload: str = "auto"  # "cpu" | "nvme" | "auto" (cpu when the device is a GPU, nvme on a CPU)
     offload_dir: str = ""  # where NVMe swap files go; a per-process folder is made inside
     profile: str = "auto"  # DeviceProfile name or JSON path; "auto" = calibrated file, else built-in
@@ -36,8 +37,16 @@ class ZinfConfig:
                 f"unknown zinf option(s) {', '.join(map(repr, unknown))}; "
                 f"valid options are: {', '.join(ZinfConfig.OPTIONS)}"
             )
-        budget = options.get("budget")
-        if budget is not None and budget != "auto":
+        budget, fraction = options.get("budget"), None
+        if isinstance(budget, str) and budget.strip().endswith("%"):
+            try:
+                fraction = float(budget.strip()[:-1]) / 100
+            except ValueError:
+                fraction = -1.0
+            if not 0 < fraction <= 1:
+                raise ZinfConfigError(f"budget: a share of the unplanned peak must be in (0%, 100%], got {budget!r}")
+            budget = None
+        elif budget is not None and budget != "auto":
             budget = parse_bytes(budget, "budget")
         else:
             budget = None
@@ -60,6 +69,7 @@ class ZinfConfig:
             raise ZinfConfigError(f"profile: expected a profile name or a JSON path, got {profile!r}")
         return ZinfConfig(
             budget=budget,
+            budget_fraction=fraction,
             offload=offload,
             offload_dir=os.path.abspath(os.fspath(offload_dir)),
             profile=profile,

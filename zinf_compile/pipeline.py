@@ -56,7 +56,10 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
     t0 = time.perf_counter()
     try:
         facts = analyze(specs, device=session.device, step_cost=step_cost(profile))
-        plan = make_plan(facts, session.budget, profile, session.tier)
+        budget = session.budget
+        if cfg.budget_fraction is not None:
+            budget = int(facts.peak * cfg.budget_fraction)
+        plan = make_plan(facts, budget, profile, session.tier)
     except BaseException:
         if session.engine.live_tickets() == 0:
             session.engine.close()  # leave no empty swap folder behind a failed compile

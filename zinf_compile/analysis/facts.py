@@ -19,6 +19,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zinf_compile.analysis.sizes import dense_dim_order, shape_str, storage_nbytes, tensor_nbytes
 
 
+HANDLE_KINDS = ("offload", "prefetch", "handle")  # node.meta["zinf"]["kind"] of handle-valued nodes
+
+
 @dataclass(frozen=True)
 class StepFact:
     index: int
@@ -138,6 +141,8 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         first = graph_steps[0] if graph_steps else 0
         for node in spec.gm.graph.nodes:
             ts = _tensors_of(node.meta.get("val"))
+            if node.meta.get("zinf", {}).get("kind") in HANDLE_KINDS:
+                ts = []  # a handle is 8 bytes of bookkeeping, not device memory worth planning
             if node.op == "placeholder":
                 if node in spec.saved:
                     src = spec.saved[node]

@@ -139,10 +139,11 @@ class OffloadEngine:
         data = x.permute(dim_order).contiguous()
         stored = Stored(tuple(data.shape), data.dtype, data.numel() * data.element_size())
         if self.tier == "cpu":
-            stored.host = self._to_host(data)
+            # a copy even on a CPU device: Inductor may reuse x's buffer once this op returns
+            stored.host = data.clone() if data.device.type == "cpu" else self._to_host(data)
         else:
             stored.file, stored.fd = self.swap.acquire()
-            host = self._to_host(data) if data.device.type != "cpu" else data
+            host = self._to_host(data) if data.device.type != "cpu" else data  # written before we return
             try:
                 self._run_chunks(self._write_chunk, stored.fd, host, stored.nbytes)
             except BaseException:
@@ -210,8 +211,6 @@ class OffloadEngine:
         return self._side_streams[device]
 
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
-        if data.device.type == "cpu":
-            return data  # a CPU tier on a CPU device frees nothing: the data stays where it is
         host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
         stream = self._side_stream(data.device)
         stream.wait_stream(torch.cuda.current_stream(data.device))
