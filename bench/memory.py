@@ -16,7 +16,11 @@ measured steps and reads VmHWM. growth = VmHWM - baseline: the most memory the s
 of what was already resident (parameters, gradients, compiled code, the input batch).
 
 The claim checked: zinf's growth stays within 1.25x the budget while eager's is over 2x.
-Every contender runs with the same thread count and the same malloc environment.
+Every contender runs with the same thread count and the same malloc environment: by default
+MALLOC_MMAP_THRESHOLD_=131072 (see DEFAULT_MALLOC_ENV for why; `--malloc-env none` for glibc's
+defaults, under which VmHWM also counts freed heap that glibc keeps resident).
+Writes <out>/memory.json (every run, the plans, the checks) and <out>/memory.png; exits 1 when a
+check fails.
 
 `python -m bench.memory --worker NAME ...` runs one contender and prints one JSON line.
 """
@@ -93,9 +97,11 @@ def saved_activation_bytes(model, x) -> int:
         s = t.untyped_storage()
         if s.data_ptr() not in params:
             seen[s.data_ptr()] = s.nbytes()
-        return t
+        # keep nothing: a saved output packed as itself would hold its own grad_fn (a cycle
+        # through C++ that the garbage collector cannot see), and no backward will unpack it
+        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         loss = model(x)
     del loss
     return sum(seen.values())
@@ -160,7 +166,6 @@ def worker(args) -> dict:
     model, x = _build(args)
     result: dict = {"contender": args.worker, "pid": os.getpid(), "threads": torch.get_num_threads()}
     if args.worker == "eager":
-        result["saved_activation_bytes"] = saved_activation_bytes(model, x)
         fn = model
     elif args.worker == "inductor":
         fn = torch.compile(model)
@@ -209,6 +214,8 @@ def worker(args) -> dict:
         losses=losses,
         step_s=step_s,
     )
+    if args.worker == "eager":  # after the measurement, so every contender's history is alike
+        result["saved_activation_bytes"] = saved_activation_bytes(model, x)
     if args.worker == "zinf-nvme":
         import importlib
 
@@ -322,7 +329,8 @@ def _draw(summary: dict, budget: int, path: str, title: str) -> None:
     lo = [(summary[n]["growth_median"] - summary[n]["growth_min"]) / MiB for n in names]
     hi = [(summary[n]["growth_max"] - summary[n]["growth_median"]) / MiB for n in names]
     colors = ["#2a9d8f" if n.startswith("zinf") else "#8d99ae" for n in names]
-    bars = ax.bar(names, vals, color=colors, yerr=[lo, hi], capsize=4)
+    spread = any(summary[n]["runs"] > 1 for n in names)
+    bars = ax.bar(names, vals, color=colors, yerr=[lo, hi] if spread else None, capsize=4)
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f} MiB\n{v * MiB / budget:.2f}x",
                 ha="center", va="bottom", fontsize=8)
@@ -442,9 +450,11 @@ def parent(args) -> int:
         json.dump(record, f, indent=1)
     os.replace(json_path + ".tmp", json_path)
     png = os.path.join(args.out, "memory.png")
+    malloc = " ".join(f"{k}={v}" for k, v in extra.items()) or "glibc defaults"
     _draw(summary, budget, png,
           f"MLP {args.layers}x{args.hidden}, batch {args.batch}: saved activations "
-          f"{saved / MiB:.0f} MiB ({saved / budget:.1f}x budget)")
+          f"{saved / MiB:.0f} MiB ({saved / budget:.1f}x budget)\n"
+          f"median of {args.repeats} run(s) x {args.steps} steps; malloc: {malloc}")
     print(f"wrote {json_path} and {png}")
     return 0 if all(checks.values()) else 1
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import zinf_compile
-from zinf_compile.runtime import engine
+from zinf_compile.runtime import get_engine
 
 from gpt import build as build_gpt
 from mlp import build as build_mlp
@@ -68,7 +68,7 @@ def test_mlp_nvme_offload_is_bit_identical(offload_root):
     assert plan.peak_after <= plan.budget < plan.peak_before
     assert rec.simulated_peak <= plan.budget  # the verifier's re-analysis of the rewritten graphs
     key = next(iter(rec.graphs["forward"].graph.find_nodes(op="call_function", target=torch.ops.zinf.offload.default))).args[1]
-    stats = engine(key).stats
+    stats = get_engine(key).stats
     # 3 steps, each offload written once and read back once
     assert stats["offloads"] == 3 * plan.action_counts()["offload"]
     assert stats["bytes_read"] == stats["bytes_written"] > 0

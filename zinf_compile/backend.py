@@ -18,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from zinf_compile.config import ZinfConfig
 from zinf_compile.pipeline import plan_and_rewrite
-from zinf_compile.runtime.engine import engine, register_engine
+from zinf_compile.runtime.engine import get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
 
@@ -61,7 +61,7 @@ class Session:
 
     @property
     def engine(self):
-        return engine(self.engine_key)
+        return get_engine(self.engine_key)
 
     def uuid(self) -> str:
         return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}"

@@ -59,7 +59,7 @@ def _biggest_groups_steps(plan: Plan, max_nodes: int) -> set[int]:
 
 def _step_node(plan: Plan, i: int, acted: dict[int, list[str]]) -> str:
     s = plan.steps[i]
-    label = f"{s.name}\n{s.op}\n{format_seconds(s.est_time_s)}"
+    label = f"{s.index}: {s.name}\n{s.op}\n{format_seconds(s.est_time_s)}"
     extra = {}
     if i in acted:
         label += "\n" + ", ".join(acted[i])
@@ -165,9 +165,8 @@ def _inputs_and_edges(plan: Plan, kept: set[int], by_tensor: dict[int, list[Grou
 
 
 def _order_edges(kept: list[int]) -> list[str]:
-    """Invisible edges between neighbouring steps keep the timeline order within each run of
-    kept steps. Runs are not chained across left-out steps: one long chain makes dot slow."""
-    return [f"  s{a} -> s{b} [style=invis];" for a, b in zip(kept, kept[1:]) if b - a == 1]
+    """Invisible edges from each kept step to the next keep the timeline order top to bottom."""
+    return [f"  s{a} -> s{b} [style=invis];" for a, b in zip(kept, kept[1:])]
 
 
 def render_svg(dot_path: str, svg_path: str) -> str | None:

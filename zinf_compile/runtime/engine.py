@@ -330,7 +330,7 @@ def register_engine(key: int, tier: str, offload_dir: str, io_threads: int, o_di
         return eng
 
 
-def engine(key: int) -> OffloadEngine:
+def get_engine(key: int) -> OffloadEngine:
     try:
         return _ENGINES[key]
     except KeyError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zinf_compile.runtime.engine import engine
+from zinf_compile.runtime.engine import get_engine
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("offload(Tensor x, int engine, int[] dim_order) -> Tensor")
@@ -27,7 +27,7 @@ def _fake_handle(shape) -> torch.Tensor:
 
 @torch.library.impl(_lib, "offload", "CompositeExplicitAutograd")
 def _offload(x: torch.Tensor, engine_key: int, dim_order: list[int]) -> torch.Tensor:
-    return engine(engine_key).offload(x, list(dim_order))
+    return get_engine(engine_key).offload(x, list(dim_order))
 
 
 @torch.library.register_fake("zinf::offload", lib=_lib)
@@ -37,7 +37,7 @@ def _offload_fake(x, engine_key, dim_order):
 
 @torch.library.impl(_lib, "prefetch", "CompositeExplicitAutograd")
 def _prefetch(h: torch.Tensor, engine_key: int, device: torch.device) -> torch.Tensor:
-    return engine(engine_key).prefetch(h, device)
+    return get_engine(engine_key).prefetch(h, device)
 
 
 @torch.library.register_fake("zinf::prefetch", lib=_lib)
@@ -47,7 +47,7 @@ def _prefetch_fake(h, engine_key, device):
 
 @torch.library.impl(_lib, "wait", "CompositeExplicitAutograd")
 def _wait(h, engine_key, dtype, device, dim_order):
-    return engine(engine_key).wait(h, device, list(dim_order))
+    return get_engine(engine_key).wait(h, device, list(dim_order))
 
 
 @torch.library.register_fake("zinf::wait", lib=_lib)

@@ -1,0 +1,66 @@
+"""`zinf plan`, `zinf show`: offline plans of the examples, and their pictures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from zinf_compile.cli import main
+from zinf_compile.plan import Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP = os.path.join(ROOT, "examples", "mlp.py") + ":build"
+GPT = os.path.join(ROOT, "examples", "gpt.py") + ":build"
+
+
+def test_plan_writes_plan_report_and_table(tmp_path, capsys):
+    rc = main(["plan", GPT, "--arg", "batch=4", "--arg", "seq=64", "--arg", "layers=2", "--arg", "hidden=128",
+               "--budget", "8.5MiB", "--target", "cpu", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for row in ("peak before", "peak after", "lower bound", "bytes moved (nvme)", "predicted stall", "actions"):
+        assert row in out
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.graphs == ("forward", "backward")
+    assert plan.peak_after <= plan.budget == int(8.5 * 2**20) < plan.peak_before
+    counts = plan.action_counts()
+    assert counts["offload"] == counts["prefetch"] == counts["wait"] > 0
+    assert f"offload {counts['offload']}" in out
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 2
+    for f in ("timeline.png", "lanes.png", "graph.dot"):
+        assert (tmp_path / f).stat().st_size > 0
+
+
+def test_plan_inference_and_show(tmp_path, capsys):
+    assert main(["plan", MLP, "--inference", "--out", str(tmp_path), "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.graphs == ("inference",) and plan.is_empty()
+    assert main(["show", str(tmp_path / "plan.json"), "--out", str(tmp_path / "pics")]) == 0
+    assert (tmp_path / "pics" / "report.html").exists()
+    assert "wrote html" in capsys.readouterr().out
+
+
+def test_plan_impossible_budget_exits_2_naming_the_bound(tmp_path, capsys):
+    assert main(["plan", MLP, "--budget", "1KB", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "lower bound on peak device memory is" in err and "impossible" in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_bad_factory_and_args(tmp_path, capsys):
+    assert main(["plan", "no/such/file.py:build", "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["plan", MLP, "--arg", "batch", "--out", str(tmp_path)]) == 2
+    assert "--arg expects key=value" in capsys.readouterr().err
+
+
+def test_console_script_runs(tmp_path):
+    """The installed command, as a user types it."""
+    exe = os.path.join(os.path.dirname(sys.executable), "zinf")
+    assert os.path.exists(exe), "the zinf console script is not installed"
+    r = subprocess.run([exe, "plan", MLP, "--arg", "batch=128", "--budget", "1GiB", "--out", str(tmp_path),
+                        "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["version"] == 1
