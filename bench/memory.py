@@ -91,20 +91,22 @@ def saved_activation_bytes(model, x) -> int:
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params.add(x.untyped_storage().data_ptr())
-    seen: dict[int, int] = {}
+    seen: dict[int, object] = {}
 
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        # keep nothing: a saved output packed as itself would hold its own grad_fn (a cycle
+            seen[s.data_ptr()] = s  # held until the forward ends, so no address is reused
+        # pack nothing: a saved output packed as itself would hold its own grad_fn (a cycle
         # through C++ that the garbage collector cannot see), and no backward will unpack it
         return None
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         loss = model(x)
     del loss
-    return sum(seen.values())
+    total = sum(s.nbytes() for s in seen.values())
+    seen.clear()
+    return total
 
 
 def _plan_summary(plan) -> dict:

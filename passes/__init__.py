@@ -5,8 +5,9 @@ verification, timing and dumps, so passes contain none of that.
 """
 from .base import PassContext, PassReport
 from .insert_offload import InsertOffloads
+from .pin_order import PinOrder
 from .verifier import VerificationError, verify
 
 PIPELINE = (InsertOffloads(),)
 
-__all__ = ["PIPELINE", "InsertOffloads", "PassContext", "PassReport", "VerificationError", "verify"]
+__all__ = ["PIPELINE", "InsertOffloads", "PinOrder", "PassContext", "PassReport", "VerificationError", "verify"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, CustomPartitionerFn
 
 from zinf_compile.config import ZinfConfig
 from zinf_compile.pipeline import plan_and_rewrite
@@ -85,19 +85,21 @@ class ZinfPartitioner(CustomPartitionerFn):
         return self.session.uuid()
 
 
-class ZinfPostGrad(CustomGraphPass):
-    """Inference graphs reach Inductor without a partitioner: plan them here."""
+class ZinfPostGrad(CustomInferenceAwareGraphPass):
+    """The last post-grad pass before lowering. Inference graphs reach Inductor without a
+    partitioner: plan them here. Every graph's zinf ops are then pinned in the planned order."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def __call__(self, graph: fx.Graph) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool) -> None:
+        from zinf_compile.passes import PinOrder
+
         out = next(iter(graph.find_nodes(op="output")))
-        if out.meta.get(PLANNED):
-            return
-        gm = graph.owning_module
-        plan_and_rewrite(self.session, {"inference": gm}, -1)
-        out.meta[PLANNED] = True
+        if is_inference and not out.meta.get(PLANNED):
+            plan_and_rewrite(self.session, {"inference": graph.owning_module}, -1)
+            out.meta[PLANNED] = True
+        PinOrder()(graph)
 
     def uuid(self) -> str:
         return self.session.uuid()

@@ -22,9 +22,18 @@ _lock = threading.Lock()
 _records: list[CompileRecord] = []
 
 
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the graph as planned: Inductor goes on rewriting the original in place."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return fx.GraphModule(gm, g)
+
+
 def add(plan: Plan, reports, graphs, simulated_peak) -> CompileRecord:
     with _lock:
-        rec = CompileRecord(len(_records), plan, tuple(reports), dict(graphs), simulated_peak)
+        snaps = {role: snapshot(gm) for role, gm in graphs.items()}
+        rec = CompileRecord(len(_records), plan, tuple(reports), snaps, simulated_peak)
         _records.append(rec)
         return rec
 

@@ -61,11 +61,6 @@ def segments(plan: Plan) -> list[Segment]:
     return out
 
 
-def transitions(plan: Plan) -> list[float]:
-    """The x positions (between two steps) where one graph ends and the next begins."""
-    return [seg.start - 0.5 for seg in segments(plan)[1:]]
-
-
 def groups(plan: Plan) -> list[Group]:
     """Offload groups in order of their group id; the first action of each kind counts."""
     by_group: dict[int, dict[str, Action]] = {}

@@ -52,7 +52,7 @@ def _biggest_groups_steps(plan: Plan, max_nodes: int) -> set[int]:
     for g in sorted(groups(plan), key=lambda g: (-g.nbytes, g.group)):
         add = {s for s in (g.offload, g.prefetch, g.wait) if s is not None} - kept
         if len(kept) + len(add) > max_nodes:
-            break
+            continue
         kept |= add
     return kept
 
@@ -177,8 +177,12 @@ def render_svg(dot_path: str, svg_path: str) -> str | None:
             return None
         proc = subprocess.run([exe, "-Tsvg", dot_path, "-o", svg_path], capture_output=True,
                               timeout=90, check=False)
-        if proc.returncode != 0 or not os.path.isfile(svg_path) or not os.path.getsize(svg_path):
-            return None
-        return svg_path
+        if proc.returncode == 0 and os.path.isfile(svg_path) and os.path.getsize(svg_path):
+            return svg_path
     except Exception:  # noqa: BLE001 - a missing picture must never fail the report
-        return None
+        pass
+    try:  # no half-written or stale picture beside the report
+        os.remove(svg_path)
+    except OSError:
+        pass
+    return None
