@@ -64,3 +64,15 @@ def test_console_script_runs(tmp_path):
                         "--no-report"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["version"] == 1
+
+
+def test_calibrate_writes_a_profile_that_plans_use(tmp_path, capsys):
+    from zinf_compile.cost import load_profile
+
+    out = tmp_path / "local.json"
+    assert main(["calibrate", "--out", str(out), "--offload-dir", str(tmp_path), "--mib", "8"]) == 0
+    prof = load_profile(str(out))
+    assert prof.name == "local" and prof.device == "cpu"
+    assert prof.flops > 1e8 and prof.nvme_read_bw > 1e6 and prof.nvme_write_bw > 1e6 and prof.mem_bw > 1e7
+    assert sorted(os.listdir(tmp_path)) == ["local.json"]  # the probe file is gone
+    assert "wrote" in capsys.readouterr().out

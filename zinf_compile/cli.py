@@ -68,7 +68,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from zinf_compile.cost import CALIBRATED_PATH
 
     out = args.out or CALIBRATED_PATH
-    prof = calibrate(args.offload_dir, device=args.device, progress=_progress)
+    prof = calibrate(args.offload_dir, device=args.device, progress=_progress, mib=args.mib)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(prof.to_json(), f, indent=1)
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--out", help="profile path (default: ~/.cache/zinf/profile-local.json, used by profile='auto')")
     ca.add_argument("--offload-dir", default=None, help="where to measure NVMe bandwidth (default: temp dir)")
     ca.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ca.add_argument("--mib", type=int, default=256, help="size of each copy and file transfer measured")
     ca.set_defaults(fn=cmd_calibrate)
     return p
 
