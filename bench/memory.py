@@ -46,10 +46,10 @@ SAVED_FACTOR = 3.0  # saved activations must be >= this x the budget
 
 # The model: sizes chosen so that (at the default budget of 64 MiB)
 #   saved activations  = layers x batch x hidden x 4 B = 28 x 8 MiB = 224 MiB  (3.5x the budget)
-#   params + grads     = 2 x 28 x 0.25 MiB = 14 MiB; input 8 MiB; largest step's working set ~ 3 x 8 MiB
-# so zinf's lower bound (~40 MiB) stays under the budget (it raises BudgetError naming it otherwise).
-# A narrow layer (256) keeps params small and the compute per activation byte low: with hidden 512
-# the lower bound is 73 MiB (params and grads alone are 48 MiB) and steps take twice as long.
+#   params + grads     = 2 x 28 x 64 KiB = 3.5 MiB; the input 8 MiB; the largest step ~ 3 x 8 MiB
+# so zinf's lower bound (33.8 MiB) stays well under the budget (BudgetError names it otherwise).
+# Narrow layers keep the parameters small and the compute per activation byte low: hidden 512 x
+# batch 4096 has the same activations but a lower bound of 73 MiB (params and grads are 48 MiB).
 DEFAULTS = dict(layers=28, hidden=128, batch=16384, seed=0, lr=1e-3, warmup=2, threads=2)
 
 # glibc raises its mmap threshold dynamically (up to 32 MiB) after the first large free; from then
@@ -496,9 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.worker:
-        if args.worker == "zinf-nvme" and not args.offload_dir:
+        own = args.worker == "zinf-nvme" and not args.offload_dir  # run by hand: make (and remove) one
+        if own:
             args.offload_dir = tempfile.mkdtemp(prefix="zinf-bench-")
-        res = worker(args)
+        try:
+            res = worker(args)
+        finally:
+            if own:
+                shutil.rmtree(args.offload_dir, ignore_errors=True)
         print(MARK + json.dumps(res), flush=True)
         return 0
     return parent(args)

@@ -57,6 +57,8 @@ class Session:
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
+        if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
+            _pin_mmap_threshold(cfg.malloc_mmap_threshold)
         return Session(cfg, device, tier, budget, key)
 
     @property
@@ -103,6 +105,26 @@ class ZinfPostGrad(CustomInferenceAwareGraphPass):
 
     def uuid(self) -> str:
         return self.session.uuid()
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+@functools.lru_cache(None)
+def _pin_mmap_threshold(nbytes: int) -> bool:
+    """Make glibc serve allocations of nbytes and more from their own mappings, returned to the
+    system when freed. Setting it also stops glibc from raising the threshold on its own, which
+    otherwise keeps freed activations resident and hides the budget from RSS (see bench/)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def _free_device_memory(device: str) -> int:
