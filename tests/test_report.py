@@ -250,3 +250,20 @@ def test_summary_rows() -> None:
     assert rows["device"] == "cuda" and rows["tier"] == "nvme"
     empty = make_plan(n_groups=0)
     assert dict(summary_rows(empty))["actions"] == "none"
+
+
+def test_plan_from_json_rejects_inconsistent_plans():
+    import json as _json
+
+    import pytest as _pytest
+
+    from zinf_compile.plan import Plan as _Plan
+
+    good = _json.loads(_json.dumps(make_plan().to_json()))
+    _Plan.from_json(good)
+    with _pytest.raises(ValueError, match="unknown field"):
+        _Plan.from_json({**good, "extra": 1})
+    with _pytest.raises(ValueError, match="one entry per step"):
+        _Plan.from_json({**good, "timeline_after": good["timeline_after"][:-1]})
+    with _pytest.raises(ValueError, match="version"):
+        _Plan.from_json({**good, "version": 99})

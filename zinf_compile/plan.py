@@ -99,8 +99,13 @@ class Plan:
     def from_json(data: dict[str, Any]) -> "Plan":
         if data.get("version") != PLAN_VERSION:
             raise ValueError(
-                f"plan version {data.get('version')!r} is not supported (this zinf reads version {PLAN_VERSION})"
+                f"plan version {data.get('version')!r} is not supported "
+                f"(this zinf reads version {PLAN_VERSION})"
             )
+        fields = {f.name for f in dataclasses.fields(Plan)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"not a zinf plan: unknown field(s) {', '.join(unknown)}")
         d = dict(data)
         d["graphs"] = tuple(d["graphs"])
         d["steps"] = tuple(Step(**s) for s in d["steps"])
@@ -111,7 +116,21 @@ class Plan:
         d["timeline_before"] = tuple(d["timeline_before"])
         d["timeline_after"] = tuple(d["timeline_after"])
         d["notes"] = tuple(d.get("notes", ()))
-        return Plan(**d)
+        plan = Plan(**d)
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Raise ValueError when the plan's parts do not refer to each other consistently."""
+        n = len(self.steps)
+        if any(s.index != i for i, s in enumerate(self.steps)):
+            raise ValueError("plan steps are not numbered 0..n-1 in order")
+        if len(self.timeline_before) != n or len(self.timeline_after) != n:
+            raise ValueError(f"plan timelines do not have one entry per step ({n} steps)")
+        ids = {t.id for t in self.tensors}
+        for a in self.actions:
+            if not 0 <= a.step < n or a.tensor not in ids:
+                raise ValueError(f"plan action {a} refers to a step or tensor the plan does not have")
 
     @staticmethod
     def load(path: str) -> "Plan":
