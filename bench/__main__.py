@@ -7,6 +7,7 @@ import sys
 # name -> module with `main(argv) -> int`; add a benchmark by adding a line
 BENCHMARKS = {
     "memory": "bench.memory",
+    "malloc": "bench.malloc",
 }
 
 

@@ -109,3 +109,28 @@ def test_ops_dispatch_through_registered_engine(tmp_path):
         assert fh.shape == fx_.shape and fh.dtype == torch.int64
         fy = ops.wait(ops.prefetch(fh, key, fx_.device), key, torch.float32, fx_.device, [1, 0])
         assert fy.shape == (8, 3) and fy.stride() == (1, 8)
+
+
+def test_swap_file_is_not_reused_while_a_read_is_in_flight(nvme, monkeypatch):
+    """Inductor frees the offload handle right after the prefetch; an offload before the wait
+    must then get another file, not the one still being read (found in review: it did)."""
+    gate = threading.Event()
+    real_read = nvme._read_chunk
+
+    def gated_read(*a):
+        assert gate.wait(timeout=30)
+        return real_read(*a)
+
+    monkeypatch.setattr(nvme, "_read_chunk", gated_read)
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    h = nvme.offload(x, [0])
+    h2 = nvme.prefetch(h, x.device)
+    del h
+    gc.collect()
+    h3 = nvme.offload(torch.full((1 << 16,), -1.0), [0])  # must not overwrite x's file
+    gate.set()
+    assert torch.equal(nvme.wait(h2, x.device, [0]), x)
+    assert nvme.swap.file_count() == 2
+    del h2, h3
+    gc.collect()
+    assert nvme.live_tickets() == 0

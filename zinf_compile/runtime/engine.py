@@ -11,6 +11,7 @@ that overlaps compute: `prefetch` submits it to a thread pool, `wait` joins it.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -68,7 +69,7 @@ class OffloadEngine:
         self.o_direct_requested = o_direct
         self._swap: SwapDir | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _drop may run from a GC finalizer inside a locked section
         self._ids = itertools.count(1)
         self._stored: dict[int, Stored] = {}
         self._reads: dict[int, PendingRead] = {}
@@ -119,19 +120,26 @@ class OffloadEngine:
 
     def _drop(self, ticket: int) -> None:
         with self._lock:
-            s = self._stored.get(ticket)
-            if s is not None:
-                s.refs -= 1
-                if s.refs <= 0:
-                    del self._stored[ticket]
-                    if s.file is not None and self._swap is not None:
-                        self._swap.release(s.file)
+            if ticket in self._stored:
+                self._unref_stored(ticket)
                 return
             r = self._reads.get(ticket)
             if r is not None:
                 r.refs -= 1
                 if r.refs <= 0:
                     del self._reads[ticket]
+
+    def _unref_stored(self, ticket: int) -> None:
+        """One holder less (a handle, or a read in flight); the last one frees the swap file."""
+        with self._lock:
+            s = self._stored.get(ticket)
+            if s is None:
+                return
+            s.refs -= 1
+            if s.refs <= 0:
+                del self._stored[ticket]
+                if s.file is not None and self._swap is not None:
+                    self._swap.release(s.file)
 
     # -- the three operations -----------------------------------------------------------------
     def offload(self, x: torch.Tensor, dim_order: list[int]) -> torch.Tensor:
@@ -159,16 +167,28 @@ class OffloadEngine:
 
     def prefetch(self, h: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Start bringing the tensor behind `h` back to `device`; returns a new handle."""
+        source = self.ticket_of(h)
         stored = self._stored_of(h)
         pending = PendingRead(dest=torch.empty(stored.shape, dtype=stored.dtype, device=device))
+        # The read holds the stored tensor (and its swap file) until it is done: Inductor frees
+        # the handle right after this op, and a later offload must not reuse the file mid-read.
+        with self._lock:
+            stored.refs += 1
+        ready = None
+        if device.type == "cuda":  # what the caller's stream queued before us (dest's last users)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         if self.tier == "cpu":
-            self._copy_in(stored.host, pending)
+            self._copy_in(stored.host, pending, ready)
+            self._unref_stored(source)
         elif device.type == "cpu":
             pending.futures = self._submit_chunks(self._read_chunk, stored.fd, pending.dest, stored.nbytes)
         else:
             staging = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)
             futures = self._submit_chunks(self._read_chunk, stored.fd, staging, stored.nbytes)
-            pending.futures = [self.pool.submit(self._after_read_copy_in, futures, staging, pending)]
+            pending.futures = [self.pool.submit(self._after_read_copy_in, futures, staging, pending, ready)]
+        if pending.futures:
+            _when_all_done(pending.futures, lambda: self._unref_stored(source))
         self.stats["bytes_read"] += stored.nbytes if self.tier == "nvme" else 0
         ticket = next(self._ids)
         pending.refs = 1
@@ -184,8 +204,9 @@ class OffloadEngine:
             pending = self._reads.get(ticket)
         if pending is None:
             tmp = self.prefetch(h, device)  # keep the handle alive while we use its read
+            tmp_ticket = self.ticket_of(tmp)
             with self._lock:
-                pending = self._reads[self.ticket_of(tmp)]
+                pending = self._reads[tmp_ticket]
         for f in pending.futures:
             f.result()  # re-raises an I/O error here, in the step that needs the data
         if pending.event is not None:
@@ -206,9 +227,10 @@ class OffloadEngine:
         return stored
 
     def _side_stream(self, device: torch.device):
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device)
-        return self._side_streams[device]
+        with self._lock:
+            if device not in self._side_streams:
+                self._side_streams[device] = torch.cuda.Stream(device)
+            return self._side_streams[device]
 
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
         host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
@@ -220,23 +242,29 @@ class OffloadEngine:
         stream.synchronize()
         return host
 
-    def _copy_in(self, host: torch.Tensor, pending: PendingRead) -> None:
+    def _copy_in(self, host: torch.Tensor, pending: PendingRead, ready=None) -> None:
+        """host -> pending.dest; on CUDA on the side stream, after `ready` (an event the caller's
+        stream recorded: this may run in an I/O thread, whose current stream is another one)."""
         dest = pending.dest
         if dest.device.type == "cpu":
             dest.copy_(host)
             return
         stream = self._side_stream(dest.device)
-        stream.wait_stream(torch.cuda.current_stream(dest.device))
-        with torch.cuda.stream(stream):
-            dest.copy_(host, non_blocking=True)
-            pending.event = torch.cuda.Event()
-            pending.event.record(stream)
+        with torch.cuda.device(dest.device):
+            if ready is not None:
+                stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                dest.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
         dest.record_stream(stream)
+        pending.event = event
 
-    def _after_read_copy_in(self, futures: list[Future], staging: torch.Tensor, pending: PendingRead) -> None:
+    def _after_read_copy_in(self, futures: list[Future], staging: torch.Tensor, pending: PendingRead,
+                            ready) -> None:
         for f in futures:
             f.result()
-        self._copy_in(staging, pending)
+        self._copy_in(staging, pending, ready)
 
     def _chunks(self, nbytes: int):
         step = CHUNK_BYTES
@@ -281,6 +309,22 @@ class OffloadEngine:
             view[off:off + n] = buf[:n]
             return
         _pread_all(fd, memoryview(view[off:off + n]), off)
+
+
+def _when_all_done(futures: list[Future], fn) -> None:
+    """Call fn once, after the last of the futures completes (at once if all are done)."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            fn()
+
+    for f in futures:
+        f.add_done_callback(one_done)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -343,3 +387,6 @@ def close_all() -> None:
         for eng in _ENGINES.values():
             eng.close()
         _ENGINES.clear()
+
+
+atexit.register(close_all)

@@ -1,7 +1,6 @@
 """The per-process folder of NVMe swap files: made on first use, removed at exit and on error."""
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import shutil
@@ -53,8 +52,8 @@ class SwapDir:
             ) from None
         if o_direct and not self._supports_o_direct():
             self.o_direct = False
-        self._finalizer = weakref.finalize(self, SwapDir._cleanup, self._fds, list(self._created))
-        atexit.register(self._finalizer)
+        # runs on close(), when this object dies, or at interpreter exit, whichever comes first
+        self._finalizer = weakref.finalize(self, SwapDir._cleanup, os.getpid(), self._fds, list(self._created))
 
     def _supports_o_direct(self) -> bool:
         flag = getattr(os, "O_DIRECT", None)
@@ -74,8 +73,8 @@ class SwapDir:
     def acquire(self) -> tuple[int, int]:
         """A (file number, fd) to write one tensor into."""
         with self._lock:
-            if self._fds is None:
-                raise ZinfError("the NVMe swap folder was already closed")
+            if not self._finalizer.alive:
+                raise ZinfError(f"the NVMe swap folder {self.path!r} was already closed")
             if self._free:
                 n = self._free.pop()
                 return n, self._fds[n]
@@ -90,7 +89,7 @@ class SwapDir:
 
     def release(self, n: int) -> None:
         with self._lock:
-            if self._fds is not None and n in self._fds:
+            if n in self._fds:
                 self._free.append(n)
 
     def file_count(self) -> int:
@@ -105,7 +104,9 @@ class SwapDir:
         self._created.clear()
 
     @staticmethod
-    def _cleanup(fds: dict[int, int], created: list[str]) -> None:
+    def _cleanup(owner_pid: int, fds: dict[int, int], created: list[str]) -> None:
+        if os.getpid() != owner_pid:
+            return  # a forked child exiting: the folder is the parent's
         for fd in fds.values():
             try:
                 os.close(fd)
