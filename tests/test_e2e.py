@@ -194,3 +194,16 @@ def test_dump_dir_writes_plan_and_graphs(offload_root, tmp_path, monkeypatch):
     assert "zinf.offload" in (d / "forward.after.txt").read_text()
     assert "insert-offloads: offload" in (d / "passes.txt").read_text()
     zinf_compile.Plan.load(str(d / "plan.json"))
+
+
+def test_every_compile_leaves_its_plan_even_when_inductor_could_cache(offload_root):
+    """A cache hit would skip the partitioner: zinf turns Inductor's caches off by default so
+    that every compile's plan is there to inspect."""
+    model, inputs = build_mlp()
+    opts = {"budget": "85%", "offload_dir": offload_root}
+    zinf_compile.reset()
+    for _ in range(2):
+        torch._dynamo.reset()
+        train(torch.compile(model, backend="zinf", options=opts), inputs, mse, steps=1)
+    plans = zinf_compile.last_plans()
+    assert len(plans) == 2 and plans[0] == plans[1]

@@ -547,3 +547,25 @@ def test_verify_accepts_plan_at_lower_bound_on_cpu():
     for p in PIPELINE:
         p(ctx)
         assert verify(ctx, 1, p.name) == 36
+
+
+def test_dense_dim_order_adds_no_guards():
+    """The layout check runs on every candidate gap: it must not guard symbolic sizes (review
+    found torch's own density check guarding `Eq(s//4, 1)`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from zinf_compile.analysis.sizes import dense_dim_order
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env) as mode:
+        x = mode.from_tensor(torch.empty(64, 4), symbolic_context=None)
+    sym = env.create_symintnode(env.create_symbol(64, source=torch._dynamo.source.ConstantSource("s")), hint=64)
+    with mode:
+        t = torch.empty(sym // 4, 4)
+        tt = torch.empty(sym - 3, 4).t()
+    before = len(env.guards)
+    assert dense_dim_order(t) == [0, 1]
+    assert dense_dim_order(tt) == [1, 0]
+    assert dense_dim_order(x[:, ::2]) is None
+    assert len(env.guards) == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,12 @@ class Session:
         return get_engine(self.engine_key)
 
     def uuid(self) -> str:
-        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}"
+        """Covers every plan input: zinf's code, the options, the budget, the profile's numbers."""
+        from zinf_compile.cost import load_profile
+
+        profile = json.dumps(load_profile(self.cfg.profile, self.device).to_json(), sort_keys=True)
+        digest = hashlib.sha256(profile.encode()).hexdigest()[:16]
+        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}-{digest}"
 
 
 class ZinfPartitioner(CustomPartitionerFn):
@@ -130,7 +136,8 @@ def _pin_mmap_threshold(nbytes: int) -> bool:
 def _free_device_memory(device: str) -> int:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
-        return int(free)
+        # the graph's plan counts the parameters already resident: add back what torch holds
+        return int(free + torch.cuda.memory_allocated())
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -155,4 +162,8 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         "custom_partitioner_fn": ZinfPartitioner(session),
         "post_grad_custom_post_pass": ZinfPostGrad(session),
     }
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    if cfg.cache:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    patches["fx_graph_cache"] = False
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches)

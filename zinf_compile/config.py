@@ -28,10 +28,13 @@ class ZinfConfig:
     # grown (bench/ measured 88-208 MiB over a 64 MiB budget): zinf pins the threshold so large
     # tensors get their own mappings and freed memory really leaves. 0 leaves glibc alone.
     malloc_mmap_threshold: int = 128 << 10
+    # Inductor's caches skip the partitioner and post-grad passes on a hit: the compile then leaves
+    # no plan to inspect, dump or check. Off by default; True trades that for faster recompiles.
+    cache: bool = False
     dump_dir: str | None = None  # ZINF_DUMP_DIR: dump plans and graphs of each compile
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
-               "malloc_mmap_threshold")
+               "malloc_mmap_threshold", "cache")
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
@@ -66,7 +69,7 @@ class ZinfConfig:
         io_threads = options.get("io_threads", 4)
         if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
             raise ZinfConfigError(f"io_threads: expected a positive int, got {io_threads!r}")
-        for flag in ("o_direct", "verify"):
+        for flag in ("o_direct", "verify", "cache"):
             if flag in options and not isinstance(options[flag], bool):
                 raise ZinfConfigError(f"{flag}: expected True or False, got {options[flag]!r}")
         mmap_threshold = options.get("malloc_mmap_threshold", 128 << 10)
@@ -85,6 +88,7 @@ class ZinfConfig:
             o_direct=bool(options.get("o_direct", False)),
             verify=bool(options.get("verify", True)),
             malloc_mmap_threshold=int(mmap_threshold or 0),
+            cache=bool(options.get("cache", False)),
             dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
         )
 

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import time
 
+import torch
 import torch.fx as fx
 
 from zinf_compile import records
@@ -19,20 +20,15 @@ def graph_specs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> list
         return [GraphSpec("inference", graphs["inference"])]
     fw, bw = graphs["forward"], graphs["backward"]
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
-    saved_nodes = [n for n in fx.node.map_arg(fw_out.args[0], lambda n: n)][num_fwd_outputs:]
-    # the default partitioner names each backward placeholder after the forward node saved into it;
-    # once rewritten, a saved tensor's handle pairs with its placeholder through their zinf group
-    by_key: dict = {}
-    for n in saved_nodes:
-        if isinstance(n, fx.Node):
-            z = n.meta.get("zinf")
-            by_key[("group", z["group"]) if z else n.name] = n
-    saved = {}
-    for p in bw.graph.find_nodes(op="placeholder"):
-        z = p.meta.get("zinf")
-        key = ("group", z["group"]) if z and z.get("kind") == "handle" else p.name
-        if key in by_key:
-            saved[p] = by_key[key]
+    flat: list = []
+    fx.node.map_arg(fw_out.args[0], flat.append)
+    # AOT autograd hands the saved tensors to the backward by position: the forward's outputs after
+    # the user's are the saved tensors (then symints), and the backward's tensor placeholders start
+    # with the same tensors in the same order (after symints), then the tangents.
+    saved_fw = [n for n in flat[num_fwd_outputs:] if isinstance(n.meta.get("val"), torch.Tensor)]
+    bw_tensors = [p for p in bw.graph.find_nodes(op="placeholder")
+                  if isinstance(p.meta.get("val"), torch.Tensor)]
+    saved = dict(zip(bw_tensors[:len(saved_fw)], saved_fw))
     return [GraphSpec("forward", fw, num_user_outputs=num_fwd_outputs), GraphSpec("backward", bw, saved=saved)]
 
 
@@ -40,10 +36,10 @@ def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget:
                 device: str = "cpu"):
     """Facts and plan for captured graphs, rewriting nothing (the offline `zinf plan`)."""
     facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
-    plan = make_plan(facts, budget, profile, tier)
-    if profile.device != device:  # traced on `device`, planned for the target's memory and rates
-        plan = dataclasses.replace(plan, device=profile.device,
-                                   notes=(*plan.notes, f"traced on {device}, planned for {profile.name}"))
+    # traced on `device`, planned for the target: its device decides what a tier frees
+    plan = make_plan(facts, budget, profile, tier, device=profile.device)
+    if profile.device != device:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"traced on {device}, planned for {profile.name}"))
     return facts, plan
 
 
@@ -60,17 +56,17 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         if cfg.budget_fraction is not None:
             budget = int(facts.peak * cfg.budget_fraction)
         plan = make_plan(facts, budget, profile, session.tier)
+        ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
+        before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
+        reports, peak = [], None
+        for p in PIPELINE:
+            reports.append(p(ctx))
+            if cfg.verify:
+                peak = verify(ctx, num_fwd_outputs, p.name)
     except BaseException:
         if session.engine.live_tickets() == 0:
             session.engine.close()  # leave no empty swap folder behind a failed compile
         raise
-    ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
-    before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
-    reports, peak = [], None
-    for p in PIPELINE:
-        reports.append(p(ctx))
-        if cfg.verify:
-            peak = verify(ctx, num_fwd_outputs, p.name)
     rec = records.add(plan, reports, graphs, peak)
     if cfg.dump_dir:
         _dump(cfg.dump_dir, rec, before, time.perf_counter() - t0)

@@ -22,7 +22,11 @@ from zinf_compile.plan import PLAN_VERSION, Action, Plan, Step, TensorLife
 from zinf_compile.units import format_bytes
 
 
-def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str) -> Plan:
+def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
+    """`device`: the device the plan is for (default: the graphs'); the CPU tier frees nothing
+    when it is the CPU."""
+    device = device or facts.device
+    frees = not (tier == "cpu" and device == "cpu")
     nbytes = {b.id: b.nbytes for b in facts.buffers}
     live = facts.live.astype(np.int64).copy()
     notes: list[str] = []
@@ -32,7 +36,10 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str)
             raise BudgetError(budget, facts.lower_bound, facts.lower_bound)
         chosen = _cover(facts.gaps, nbytes, live, budget)
     prefetch_at = _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier)
-    if tier == "cpu" and facts.device == "cpu" and chosen:
+    if any(b.size_expr.free_symbols for b in facts.buffers):
+        notes.append("sizes are symbolic: planned at the size hints of the first compile; larger "
+                     "shapes at run time need proportionally more memory")
+    if not frees and chosen:
         notes.append("the CPU tier on a CPU device frees no memory: tensors stay in the same RAM. "
                      "Use offload='nvme' to lower the peak.")
     actions = []
@@ -44,14 +51,11 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str)
     actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
     compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier)
     moved = sum(2 * nbytes[g.buffer] for g in chosen)
-    if tier == "cpu" and facts.device == "cpu":
-        after = facts.live.copy()  # nothing is really freed
-    else:
-        after = live
+    after = live if frees else facts.live.copy()  # the CPU tier of a CPU device frees nothing
     return Plan(
         version=PLAN_VERSION,
         graphs=facts.graphs,
-        device=facts.device,
+        device=device,
         profile=profile.name,
         budget=int(budget),
         tier=tier,  # type: ignore[arg-type]

@@ -43,15 +43,18 @@ def shape_str(val: torch.Tensor) -> str:
 
 def dense_dim_order(val: torch.Tensor) -> list[int] | None:
     """The permutation whose contiguous layout gives val's strides, or None when val is not
-    non-overlapping and dense (then it cannot be stored and re-created as one block)."""
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+    non-overlapping and dense (then it cannot be stored and re-created as one block).
 
-    try:
-        if not is_non_overlapping_and_dense(val):
-            return None
-    except Exception:  # data-dependent strides: do not move such a tensor
-        return None
+    Decided on the size hints with plain integers: torch's own density check guards on symbolic
+    sizes, and a memory plan must not add guards (nor recompiles) to the graph it plans."""
+    sizes = [hint_of(s) for s in val.shape]
     strides = [hint_of(s) for s in val.stride()]
     # outermost first. Any order reproduces the data (offload permutes, wait permutes back);
     # the one matching the strides makes the offload copy-free.
-    return sorted(range(val.dim()), key=lambda d: (-strides[d], d))
+    order = sorted(range(val.dim()), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
