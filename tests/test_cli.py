@@ -76,3 +76,15 @@ def test_calibrate_writes_a_profile_that_plans_use(tmp_path, capsys):
     assert prof.flops > 1e8 and prof.nvme_read_bw > 1e6 and prof.nvme_write_bw > 1e6 and prof.mem_bw > 1e7
     assert sorted(os.listdir(tmp_path)) == ["local.json"]  # the probe file is gone
     assert "wrote" in capsys.readouterr().out
+
+
+def test_plan_for_a_gpu_target_frees_device_memory_with_the_cpu_tier(tmp_path, capsys):
+    """Traced on this CPU, planned for an H100: CPU memory is another tier there (review found the
+    plan judged the tier by the trace device and claimed it freed nothing)."""
+    assert main(["plan", GPT, "--arg", "batch=4", "--arg", "seq=64", "--arg", "layers=2", "--arg", "hidden=128",
+                 "--arg", "heads=2", "--budget", "9MiB", "--target", "h100-80gb", "--out", str(tmp_path),
+                 "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.device == "cuda" and plan.tier == "cpu"
+    assert plan.peak_after <= plan.budget < plan.peak_before
+    assert not any("frees no memory" in n for n in plan.notes)
