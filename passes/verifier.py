@@ -50,7 +50,14 @@ def verify(ctx: PassContext, num_fwd_outputs: int, after: str) -> int:
 
     from zinf_compile.pipeline import graph_specs
 
-    facts = analyze(graph_specs(ctx.graphs, num_fwd_outputs), device=ctx.facts.device)
+    specs = graph_specs(ctx.graphs, num_fwd_outputs)
+    for spec in specs:  # a handle the forward returns must reach a prefetch in the backward
+        for placeholder, fw_node in spec.saved.items():
+            if fw_node.target is ops.offload:
+                users = list(placeholder.users)
+                if len(users) != 1 or users[0].target is not ops.prefetch:
+                    fail(f"the saved handle {fw_node.name} reaches {users} in backward, not one prefetch")
+    facts = analyze(specs, device=ctx.facts.device)
     live = facts.live.copy()
     for nodes in ctx.inserted.values():
         pre, y = nodes["prefetch"], nodes["wait"]

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -81,7 +82,9 @@ def capture(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool
     def partition(joint, joint_inputs, **kw):
         try:
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
-        except Exception:  # the min-cut solver can fail on unusual graphs: plan the default split
+        except Exception as e:  # the min-cut solver can fail on unusual graphs: plan the default split
+            warnings.warn(f"zinf plan: the min-cut partitioner failed ({e}); planning torch's default "
+                          f"partition instead, which saves more for backward than a real compile would")
             fw, bw = default_partition(joint, joint_inputs, **kw)
         graphs["forward"], graphs["backward"] = fw, bw
         nfo.append(kw["num_fwd_outputs"])

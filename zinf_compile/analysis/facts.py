@@ -7,6 +7,7 @@ use is visible as what it is — the best thing to move off the device.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -179,9 +180,8 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
             if node not in step_of:
                 continue
             s = step_of[node]
-            for inp in node.all_input_nodes:
-                for b in buffer_of.get(inp, []):
-                    b_uses[b].add(s)
+            for b in _read_buffers(node, buffer_of):
+                b_uses[b].add(s)
             ids = []
             for t in ts:
                 key = StorageWeakRef(t.untyped_storage())
@@ -229,6 +229,20 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         working_set=ws[:n_steps],
         lower_bound=int(floor.max()) if n_steps else 0,
     )
+
+
+def _read_buffers(node: fx.Node, buffer_of: dict) -> list[int]:
+    """The buffers a step reads. `getitem` on a multi-output node reads only the element it picks
+    (else every output of layer norm would live as long as its longest-lived sibling)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        parent, idx = node.args
+        vals = parent.meta.get("val")
+        ids = buffer_of.get(parent, [])
+        if isinstance(vals, (list, tuple)) and isinstance(idx, int) and len(ids) == len(_tensors_of(vals)):
+            if not isinstance(vals[idx], torch.Tensor):
+                return []
+            return [ids[sum(isinstance(v, torch.Tensor) for v in vals[:idx])]]
+    return [b for inp in node.all_input_nodes for b in buffer_of.get(inp, [])]
 
 
 def _majority_device(devices: list[str], sizes) -> str:
