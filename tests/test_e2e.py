@@ -76,7 +76,8 @@ def test_mlp_nvme_offload_is_bit_identical(offload_root):
 
 def test_mlp_cpu_tier_says_it_frees_nothing_on_cpu(offload_root):
     opts = {"budget": "85%", "offload": "cpu", "offload_dir": offload_root}
-    rec = assert_same_training(build_mlp, {}, mse, opts)
+    with pytest.warns(UserWarning, match="offload='cpu' on a CPU device frees no memory"):
+        rec = assert_same_training(build_mlp, {}, mse, opts)
     assert rec.plan.tier == "cpu" and rec.plan.action_counts()["offload"] >= 1
     assert any("frees no memory" in n for n in rec.plan.notes)
     assert rec.plan.peak_after == rec.plan.peak_before  # honest: nothing left the RAM

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 
 import torch
 import torch.fx as fx
@@ -67,6 +68,9 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         if session.engine.live_tickets() == 0:
             session.engine.close()  # leave no empty swap folder behind a failed compile
         raise
+    if session.tier == "cpu" and session.device == "cpu" and plan.actions:
+        warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "
+                      "RAM); the plan still runs. Use offload='nvme' to lower the peak.", stacklevel=2)
     rec = records.add(plan, reports, graphs, peak)
     if cfg.dump_dir:
         _dump(cfg.dump_dir, rec, before, time.perf_counter() - t0)
