@@ -39,6 +39,7 @@ def run(env_extra: dict[str, str]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench malloc")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join("bench", "results"), help="where malloc.json goes")
     args = ap.parse_args(argv)
     default, pinned = [], []
     for _ in range(args.repeats):  # alternate, so that load on the machine hits both alike
@@ -47,5 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(p / d for p, d in zip(pinned, default))
     print(f"seconds per iteration: glibc defaults {statistics.median(default):.3f}, "
           f"threshold pinned {statistics.median(pinned):.3f}; median ratio pinned/defaults {ratio:.2f}x")
-    print(json.dumps({"defaults_s": default, "pinned_s": pinned, "ratio_median": ratio}))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "malloc.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "malloc", "command": "python -m bench malloc " + " ".join(argv or []),
+                   "defaults_s": default, "pinned_s": pinned, "ratio_median": ratio}, f, indent=1)
+    print(f"wrote {path}")
     return 0

@@ -19,7 +19,6 @@ from zinf_compile.analysis.facts import Gap, GraphFacts
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
 from zinf_compile.plan import PLAN_VERSION, Action, Plan, Step, TensorLife
-from zinf_compile.units import format_bytes
 
 
 def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
@@ -174,7 +173,3 @@ def _tensor_lives(facts: GraphFacts, moved: set[int]) -> tuple[TensorLife, ...]:
             def_step=b.def_step, use_steps=b.use_steps, movable=b.id in movable,
         ))
     return tuple(out)
-
-
-def describe_budget_failure(facts: GraphFacts, budget: int) -> str:
-    return f"peak {format_bytes(facts.peak)}, lower bound {format_bytes(facts.lower_bound)}, budget {format_bytes(budget)}"

@@ -53,6 +53,14 @@ class PendingRead:
     refs: int = 0
 
 
+def inverse_order(dim_order) -> list[int]:
+    """The permutation that undoes `dim_order` (wait returns the stored layout permuted back)."""
+    inverse = [0] * len(dim_order)
+    for i, d in enumerate(dim_order):
+        inverse[d] = i
+    return inverse
+
+
 def _byte_view(t: torch.Tensor):
     """A writable uint8 numpy view over a contiguous CPU tensor's bytes."""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -212,10 +220,7 @@ class OffloadEngine:
         if pending.event is not None:
             torch.cuda.current_stream(device).wait_event(pending.event)
         self.stats["waits"] += 1
-        inverse = [0] * len(dim_order)
-        for i, d in enumerate(dim_order):
-            inverse[d] = i
-        return pending.dest.permute(inverse)
+        return pending.dest.permute(inverse_order(dim_order))
 
     # -- helpers --------------------------------------------------------------------------------
     def _stored_of(self, h: torch.Tensor) -> Stored:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zinf_compile.runtime.engine import get_engine
+from zinf_compile.runtime.engine import get_engine, inverse_order
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("offload(Tensor x, int engine, int[] dim_order) -> Tensor")
@@ -53,10 +53,7 @@ def _wait(h, engine_key, dtype, device, dim_order):
 @torch.library.register_fake("zinf::wait", lib=_lib)
 def _wait_fake(h, engine_key, dtype, device, dim_order):
     stored_shape = [h.shape[d] for d in dim_order]
-    inverse = [0] * len(dim_order)
-    for i, d in enumerate(dim_order):
-        inverse[d] = i
-    return torch.empty(stored_shape, dtype=dtype, device=device).permute(inverse)
+    return torch.empty(stored_shape, dtype=dtype, device=device).permute(inverse_order(dim_order))
 
 
 offload = torch.ops.zinf.offload.default
