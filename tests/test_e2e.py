@@ -166,22 +166,23 @@ def test_no_options_plans_nothing_on_a_small_model(offload_root, monkeypatch):
 
 
 def test_generated_code_runs_zinf_ops_where_the_plan_put_them(offload_root):
-    """Read Inductor's code: the order of zinf ops among the matmuls is the planned graph's order."""
+    """Read Inductor's code: the order of zinf ops among the matmuls is the planned graph's order.
+    On this GPT Inductor's scheduler moves zinf ops when PinOrder is off (measured, decisions.md)."""
     from torch._inductor.utils import run_and_get_code
 
-    model, inputs = build_mlp()
+    model, inputs = build_gpt(**GPT_SMALL)
     zinf_compile.reset()
-    compiled = torch.compile(model, backend="zinf", options={"budget": "85%", "offload_dir": offload_root})
+    compiled = torch.compile(model, backend="zinf", options={"budget": "80%", "offload_dir": offload_root})
 
     def step():
-        mse(compiled(*inputs)).backward()
+        compiled(*inputs).loss.backward()
 
     _, (fw_code, bw_code) = run_and_get_code(step)
     rec = zinf_compile.compiles()[-1]
-    pattern = re.compile(r"= torch\.ops\.zinf\.(offload|prefetch|wait)\.default\(|extern_kernels\.(addmm|mm)\(")
+    pattern = re.compile(r"= torch\.ops\.zinf\.(offload|prefetch|wait)\.default\(|extern_kernels\.(addmm|mm|bmm)\(")
     names = {torch.ops.zinf.offload.default: "offload", torch.ops.zinf.prefetch.default: "prefetch",
              torch.ops.zinf.wait.default: "wait", torch.ops.aten.addmm.default: "addmm",
-             torch.ops.aten.mm.default: "mm"}
+             torch.ops.aten.mm.default: "mm", torch.ops.aten.bmm.default: "bmm"}
     for role, code in (("forward", fw_code), ("backward", bw_code)):
         planned = [names[n.target] for n in rec.graphs[role].graph.nodes if n.target in names]
         generated = [m.group(1) or m.group(2) for m in pattern.finditer(code)]
