@@ -13,12 +13,17 @@ the plan put it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
+
+try:
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+except ImportError:  # an older torch without control_deps: the order rests on data dependencies
+    preserve_node_ordering = None
 
 from .base import PassReport
 
@@ -43,6 +48,10 @@ class PinOrder:
         nodes = list(graph.nodes)
         if not any(_is_zinf(n) for n in nodes):
             return PassReport(self.name, (), {})
+        if preserve_node_ordering is None:
+            warnings.warn("zinf: this torch has no control_deps; Inductor may move zinf ops away from "
+                          "where the plan put them (memory and overlap can then differ from the plan)")
+            return PassReport(self.name, ("control_deps unavailable: order not pinned",), {})
         deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
         last_heavy = None
         pending: list[fx.Node] = []  # zinf ops waiting for the next heavy node

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, CustomPartitionerFn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+try:  # torch >= 2.12 tells a post-grad pass whether the graph is an inference graph
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PostGradPass
+except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's marker tells instead
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PostGradPass
 
 from zinf_compile.config import ZinfConfig
 from zinf_compile.pipeline import plan_and_rewrite
@@ -93,17 +98,19 @@ class ZinfPartitioner(CustomPartitionerFn):
         return self.session.uuid()
 
 
-class ZinfPostGrad(CustomInferenceAwareGraphPass):
+class ZinfPostGrad(_PostGradPass):
     """The last post-grad pass before lowering. Inference graphs reach Inductor without a
     partitioner: plan them here. Every graph's zinf ops are then pinned in the planned order."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
 
-    def __call__(self, graph: fx.Graph, is_inference: bool) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         from zinf_compile.passes import PinOrder
 
         out = next(iter(graph.find_nodes(op="output")))
+        if is_inference is None:  # an older torch: training graphs carry the partitioner's marker
+            is_inference = not out.meta.get(PLANNED)
         if is_inference and not out.meta.get(PLANNED):
             plan_and_rewrite(self.session, {"inference": graph.owning_module}, -1)
             out.meta[PLANNED] = True
