@@ -179,6 +179,8 @@ def test_generated_code_runs_zinf_ops_where_the_plan_put_them(offload_root):
 
     _, (fw_code, bw_code) = run_and_get_code(step)
     rec = zinf_compile.compiles()[-1]
+    names_of_passes = [r.name for r in rec.reports]
+    assert names_of_passes[0] == "insert-offloads" and names_of_passes.count("pin-order") == 2  # fw and bw
     pattern = re.compile(r"= torch\.ops\.zinf\.(offload|prefetch|wait)\.default\(|extern_kernels\.(addmm|mm|bmm)\(")
     names = {torch.ops.zinf.offload.default: "offload", torch.ops.zinf.prefetch.default: "prefetch",
              torch.ops.zinf.wait.default: "wait", torch.ops.aten.addmm.default: "addmm",

@@ -22,6 +22,7 @@ try:  # torch >= 2.12 tells a post-grad pass whether the graph is an inference g
 except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's marker tells instead
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PostGradPass
 
+from zinf_compile import records
 from zinf_compile.config import ZinfConfig
 from zinf_compile.pipeline import plan_and_rewrite
 from zinf_compile.runtime.engine import get_engine, register_engine
@@ -114,7 +115,7 @@ class ZinfPostGrad(_PostGradPass):
         if is_inference and not out.meta.get(PLANNED):
             plan_and_rewrite(self.session, {"inference": graph.owning_module}, -1)
             out.meta[PLANNED] = True
-        PinOrder()(graph)
+        records.attach(graph, PinOrder()(graph))
 
     def uuid(self) -> str:
         return self.session.uuid()

@@ -1,6 +1,7 @@
 """What each compile planned and changed, kept for inspection after compilation."""
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -13,13 +14,15 @@ from zinf_compile.plan import Plan
 class CompileRecord:
     index: int
     plan: Plan
-    reports: tuple  # PassReport per pass
+    reports: list  # PassReport per pass, in order (pin-order's arrive when Inductor compiles a graph)
     graphs: dict[str, fx.GraphModule]  # the rewritten graphs, by role
     simulated_peak: int | None  # the verifier's re-analysed peak (None when verification is off)
 
 
 _lock = threading.Lock()
 _records: list[CompileRecord] = []
+_ids = itertools.count()  # never reset: a graph planned before reset() must not find a newer record
+RECORD = "zinf_record"  # output-node meta of a planned graph: its record's index (survives copies)
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -33,9 +36,20 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 def add(plan: Plan, reports, graphs, simulated_peak) -> CompileRecord:
     with _lock:
         snaps = {role: snapshot(gm) for role, gm in graphs.items()}
-        rec = CompileRecord(len(_records), plan, tuple(reports), snaps, simulated_peak)
+        rec = CompileRecord(next(_ids), plan, list(reports), snaps, simulated_peak)
         _records.append(rec)
+        for gm in graphs.values():
+            next(iter(gm.graph.find_nodes(op="output"))).meta[RECORD] = rec.index
         return rec
+
+
+def attach(graph: fx.Graph, report) -> None:
+    """Add a later pass's report (run by Inductor on a graph we planned) to that graph's record."""
+    index = next(iter(graph.find_nodes(op="output"))).meta.get(RECORD)
+    with _lock:
+        rec = next((r for r in reversed(_records) if r.index == index), None)
+        if rec is not None and report.counts:
+            rec.reports.append(report)
 
 
 def compiles() -> list[CompileRecord]:
