@@ -2,6 +2,7 @@
 arithmetic. Offload must be bit-identical: the data leaves and comes back, nothing is recomputed."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -138,11 +139,16 @@ class Skip(nn.Module):
         return self.out(self.body(h) + h)
 
 
-def test_inference_offloads_a_long_skip(offload_root):
+@pytest.mark.parametrize("how", ["no_grad", "frozen_model"])
+def test_inference_offloads_a_long_skip(offload_root, how):
+    """Inference under torch.no_grad(), or with a model that has no grads at all."""
     torch.manual_seed(0)
     model = Skip().eval()
     x = torch.randn(512, 128)
-    with torch.no_grad():
+    if how == "frozen_model":
+        model.requires_grad_(False)
+    ctx = torch.no_grad() if how == "no_grad" else contextlib.nullcontext()
+    with ctx:
         ref = torch.compile(model)(x)
         torch._dynamo.reset()
         zinf_compile.reset()
