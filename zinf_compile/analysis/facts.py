@@ -42,7 +42,7 @@ class Buffer:
     nbytes: int
     size_expr: sympy.Expr
     device: str
-    def_step: int  # first step it is live; -1 (or a graph's first step - 1) for inputs
+    def_step: int  # first step it is live; -1 for the first graph's inputs, the backward's first step for tangents
     end_step: int  # last step it is live (the timeline's end for what outlives the graphs)
     use_steps: tuple[int, ...]
     aliases: tuple[fx.Node, ...]  # nodes whose value lives in this storage, in graph order
@@ -160,7 +160,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                 for t in ts:
                     key = StorageWeakRef(t.untyped_storage())
                     if key not in storages:
-                        storages[key] = new_buffer(spec.role, role, t, first - 1 if role == "tangent" else -1, node)
+                        storages[key] = new_buffer(spec.role, role, t, first if role == "tangent" else -1, node)
                     else:
                         b_aliases[storages[key]].append(node)
                     ids.append(storages[key])
