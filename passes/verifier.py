@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from .base import PassContext
 from zinf_compile.analysis.facts import analyze
+from zinf_compile.config import tier_frees_device
 from zinf_compile.errors import ZinfError
 from zinf_compile.runtime import ops
 
@@ -64,8 +65,7 @@ def verify(ctx: PassContext, num_fwd_outputs: int, after: str) -> int:
         p, w = facts.step_of[pre], facts.step_of[y]
         live[p:w] += facts.buffers[_buffer_of(facts, y)].nbytes
     peak = int(live.max()) if len(live) else 0
-    really_frees = not (ctx.plan.tier == "cpu" and ctx.facts.device == "cpu")
-    if really_frees and peak > ctx.plan.budget and ctx.plan.actions:
+    if tier_frees_device(ctx.plan.tier, ctx.plan.device) and peak > ctx.plan.budget and ctx.plan.actions:
         fail(f"simulated peak {peak} bytes is over the budget {ctx.plan.budget}")
     return peak
 

@@ -14,6 +14,12 @@ from zinf_compile.units import parse_bytes
 TIERS = ("cpu", "nvme")
 
 
+def tier_frees_device(tier: str, device: str) -> bool:
+    """Whether moving a tensor to `tier` frees memory on `device` (CPU memory is the same RAM as a
+    CPU device: that tier frees nothing there)."""
+    return not (tier == "cpu" and device == "cpu")
+
+
 @dataclass(frozen=True)
 class ZinfConfig:
     budget: int | None = None  # bytes of device memory; None = what the device has free

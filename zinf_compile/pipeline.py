@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from zinf_compile import records
 from zinf_compile.analysis.facts import GraphSpec, analyze
+from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import load_profile, step_cost
 from zinf_compile.planner import make_plan
 
@@ -68,7 +69,7 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         if session.engine.live_tickets() == 0:
             session.engine.close()  # leave no empty swap folder behind a failed compile
         raise
-    if session.tier == "cpu" and session.device == "cpu" and plan.actions:
+    if not tier_frees_device(session.tier, session.device) and plan.actions:
         warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "
                       "RAM); the plan still runs. Use offload='nvme' to lower the peak.", stacklevel=2)
     rec = records.add(plan, reports, graphs, peak)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from zinf_compile.analysis.facts import Gap, GraphFacts
+from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
 from zinf_compile.plan import PLAN_VERSION, Action, Plan, Step, TensorLife
@@ -25,7 +26,7 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str,
     """`device`: the device the plan is for (default: the graphs'); the CPU tier frees nothing
     when it is the CPU."""
     device = device or facts.device
-    frees = not (tier == "cpu" and device == "cpu")
+    frees = tier_frees_device(tier, device)
     nbytes = {b.id: b.nbytes for b in facts.buffers}
     live = facts.live.astype(np.int64).copy()
     notes: list[str] = []
