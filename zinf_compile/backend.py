@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -24,10 +25,28 @@ except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's 
 
 from zinf_compile import records
 from zinf_compile.config import ZinfConfig
+from zinf_compile.errors import BudgetError
 from zinf_compile.pipeline import plan_and_rewrite
 from zinf_compile.runtime.engine import get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
+# Parameters smaller than this stay resident when zinf manages parameters (the bookkeeping and the
+# latency of a gather outweigh the bytes; DeepSpeed's stage3_param_persistence_threshold is the same idea)
+PERSIST_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter among a graph's inputs, as plain values."""
+
+    index: int  # position among the graph's inputs (AOT's primals in the same order)
+    pid: int  # the parameter store's id
+    name: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    managed: bool  # already managed (an earlier compile took it over)
 
 
 @functools.lru_cache(None)
@@ -56,9 +75,10 @@ class Session:
     tier: str
     budget: int
     engine_key: int
+    params: tuple[ParamInfo, ...] = ()
 
     @staticmethod
-    def start(cfg: ZinfConfig, device: str) -> "Session":
+    def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = ()) -> "Session":
         tier = cfg.tier_for(device)
         budget = cfg.budget if cfg.budget is not None else _free_device_memory(device)
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
@@ -66,7 +86,7 @@ class Session:
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
             _pin_mmap_threshold(cfg.malloc_mmap_threshold)
-        return Session(cfg, device, tier, budget, key)
+        return Session(cfg, device, tier, budget, key, params)
 
     @property
     def engine(self):
@@ -78,7 +98,8 @@ class Session:
 
         profile = json.dumps(load_profile(self.cfg.profile, self.device).to_json(), sort_keys=True)
         digest = hashlib.sha256(profile.encode()).hexdigest()[:16]
-        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}-{digest}"
+        params = hashlib.sha256(repr(self.params).encode()).hexdigest()[:16]
+        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}-{digest}-{params}"
 
 
 class ZinfPartitioner(CustomPartitionerFn):
@@ -86,11 +107,67 @@ class ZinfPartitioner(CustomPartitionerFn):
         self.session = session
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
+        """Partition and plan; with parameters to manage, try the cheapest choice first: the
+        parameters as they are, then the fewest (largest first) that close the gap, then all."""
+        s = self.session
+        primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+        cands = _match_params(primals, s.params)
+        forced = [c for c in cands if c[1].managed]
+        big = [c for c in cands if c[1].nbytes >= PERSIST_BYTES or c[1].managed]
+        if s.cfg.params == "offload":
+            tries = [big]
+        elif s.cfg.params == "resident" or not big:
+            tries = [forced]
+        else:
+            tries = [forced, None, big]
+        err = None
+        for i, chosen in enumerate(tries):
+            if chosen is None:  # the fewest parameters, largest first, that free the shortfall
+                need = max(err.lower_bound, err.best_peak) - err.budget
+                chosen = list(forced)
+                for c in sorted(big, key=lambda c: (-c[1].nbytes, c[1].index)):
+                    have = sum(x[1].nbytes for x in chosen) - max((x[1].nbytes for x in chosen), default=0)
+                    if have >= need:
+                        break
+                    if c not in chosen:
+                        chosen.append(c)
+                if len(chosen) == len(big):
+                    continue
+            last = i == len(tries) - 1
+            try:
+                return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs)
+            except BudgetError as e:
+                if last:
+                    raise
+                err = e
+        raise err  # pragma: no cover  (the last try raises)
+
+    def _partition(self, gm: fx.GraphModule, chosen, joint_inputs, kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        from zinf_compile.passes.params import InsertGathers, ReduceGrads, SinkGathers, param_meta
+
+        s = self.session
         num_fwd_outputs = kwargs["num_fwd_outputs"]
-        plan_and_rewrite(self.session, {"forward": fw, "backward": bw}, num_fwd_outputs)
+        reports = []
+        if chosen:
+            managed = {}
+            for n, info in chosen:
+                n_primal = [p for p in gm.graph.find_nodes(op="placeholder") if p.name == n.name][0]
+                managed[n_primal] = param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier)
+            reports.append(InsertGathers()(gm.graph, managed, recompute=True))
+            gm.recompile()
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if chosen:
+            slots = {info.index: param_meta(info.name, info.pid, 0, s.tier) for _, info in chosen
+                     if info.requires_grad}
+            reports.append(ReduceGrads()(bw.graph, slots))
+            reports.append(SinkGathers()(fw.graph))
+            reports.append(SinkGathers()(bw.graph))
+            for m in (fw, bw):
+                m.recompile()
+        plan_and_rewrite(s, {"forward": fw, "backward": bw}, num_fwd_outputs, pre_reports=reports)
+        _take_over(s, [info for _, info in chosen])
         for m in (fw, bw):
             next(iter(m.graph.find_nodes(op="output"))).meta[PLANNED] = True
         return fw, bw
@@ -141,6 +218,72 @@ def _pin_mmap_threshold(nbytes: int) -> bool:
         return False
 
 
+def _match_params(primals: list[fx.Node], params: tuple[ParamInfo, ...]) -> list[tuple[fx.Node, ParamInfo]]:
+    """(primal placeholder, parameter) pairs, checked by shape and dtype: AOT's primals follow the
+    graph's inputs one to one unless it deduplicated some, and then zinf manages none."""
+    out = []
+    for info in params:
+        if info.index >= len(primals):
+            return []
+        n = primals[info.index]
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) != info.shape or str(val.dtype) != info.dtype:
+            return []
+        out.append((n, info))
+    return out
+
+
+def _resident_bytes(s: Session, info: ParamInfo) -> int:
+    """What a managed parameter keeps on the device: its shard, unless the tier frees it."""
+    from zinf_compile.config import tier_frees_device
+
+    if tier_frees_device(s.tier, s.device):
+        return 0
+    from zinf_compile.runtime.params import world
+
+    return -(-info.nbytes // world()[1])
+
+
+def _take_over(s: Session, infos: list[ParamInfo]) -> None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from zinf_compile.runtime.params import STORE
+
+    with unset_fake_temporarily(), torch.no_grad():  # the partitioner runs under the compile's fake mode
+        for info in infos:
+            STORE.manage(info.pid, s.tier, s.engine_key)
+
+
+def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
+    from zinf_compile.runtime.params import STORE
+
+    names = []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        arg = n.meta.get("grapharg")
+        src = getattr(arg, "source", None)
+        name = getattr(src, "name", None) if src is not None else None
+        name = name() if callable(name) else name
+        names.append(_readable(name) if isinstance(name, str) else n.name)
+    out = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.nn.Parameter) and not x.is_meta:
+            name = names[i] if i < len(names) else f"param{i}"
+            pid = STORE.identify(x, name)
+            out.append(ParamInfo(i, pid, name, x.numel() * x.element_size(), tuple(x.shape), str(x.dtype),
+                                 x.requires_grad, STORE.entry_by_id(pid) is not None))
+    return tuple(out)
+
+
+def _readable(source: str) -> str:
+    """L['self']._modules['fc1']._parameters['weight'] -> fc1.weight (the module's own name for it)"""
+    import re
+
+    keys = [a or b for a, b in re.findall(r"\['([^']+)'\]|\[(\d+)\]", source)]
+    if source.startswith("L[") and len(keys) > 1:
+        keys = keys[1:]  # the local variable holding the module
+    return ".".join(keys) or source
+
+
 def _free_device_memory(device: str) -> int:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
@@ -165,7 +308,7 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     from zinf_compile.runtime import ops  # noqa: F401  (registers zinf:: ops)
 
     cfg = ZinfConfig.from_options(options)
-    session = Session.start(cfg, _graph_device(example_inputs))
+    session = Session.start(cfg, _graph_device(example_inputs), _param_infos(gm, example_inputs))
     patches = {
         "custom_partitioner_fn": ZinfPartitioner(session),
         "post_grad_custom_post_pass": ZinfPostGrad(session),

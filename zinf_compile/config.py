@@ -38,9 +38,13 @@ class ZinfConfig:
     # no plan to inspect, dump or check. Off by default; True trades that for faster recompiles.
     cache: bool = False
     dump_dir: str | None = None  # ZINF_DUMP_DIR: dump plans and graphs of each compile
+    # Parameters (ZeRO-3): "auto" shards and offloads them when the graph does not fit the budget
+    # with them resident; "offload" always (every parameter of PERSIST_BYTES or more); "resident"
+    # never. Managed parameters live in the offload tier, sharded over the default process group.
+    params: str = "auto"
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
-               "malloc_mmap_threshold", "cache")
+               "malloc_mmap_threshold", "cache", "params")
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
@@ -81,6 +85,9 @@ class ZinfConfig:
         mmap_threshold = options.get("malloc_mmap_threshold", 128 << 10)
         if mmap_threshold not in (0, None, False):
             mmap_threshold = parse_bytes(mmap_threshold, "malloc_mmap_threshold")
+        params = options.get("params", "auto")
+        if params not in ("auto", "offload", "resident"):
+            raise ZinfConfigError(f"params: expected 'auto', 'offload' or 'resident', got {params!r}")
         profile = options.get("profile", "auto")
         if not isinstance(profile, str):
             raise ZinfConfigError(f"profile: expected a profile name or a JSON path, got {profile!r}")
@@ -96,6 +103,7 @@ class ZinfConfig:
             malloc_mmap_threshold=int(mmap_threshold or 0),
             cache=bool(options.get("cache", False)),
             dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
+            params=params,
         )
 
     def tier_for(self, device_type: str) -> str:

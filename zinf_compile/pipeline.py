@@ -45,7 +45,7 @@ def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget:
     return facts, plan
 
 
-def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int):
+def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, pre_reports=()):
     from zinf_compile.passes import PIPELINE, PassContext, verify
 
     cfg = session.cfg
@@ -60,7 +60,7 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         plan = make_plan(facts, budget, profile, session.tier)
         ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
         before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
-        reports, peak = [], None
+        reports, peak = list(pre_reports), None
         for p in PIPELINE:
             reports.append(p(ctx))
             if cfg.verify:

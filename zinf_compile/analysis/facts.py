@@ -128,7 +128,11 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
     def new_buffer(graph, role, t, def_step, node):
         b_graph.append(graph)
         b_role.append(role)
-        b_size.append(storage_nbytes(t))
+        zmeta = node.meta.get("zinf", {})
+        if zmeta.get("kind") == "param":  # a managed parameter: what stays of it on the device
+            b_size.append((int(zmeta["resident_bytes"]), sympy.Integer(int(zmeta["resident_bytes"]))))
+        else:
+            b_size.append(storage_nbytes(t))
         b_device.append(t.device.type)
         b_def.append(def_step)
         b_uses.append(set())

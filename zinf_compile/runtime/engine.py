@@ -275,13 +275,13 @@ class OffloadEngine:
         step = CHUNK_BYTES
         return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)] or [(0, 0)]
 
-    def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int) -> list[Future]:
+    def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> list[Future]:
         view = _byte_view(t) if nbytes else None
-        return [self.pool.submit(fn, fd, view, off, n) for off, n in self._chunks(nbytes)]
+        return [self.pool.submit(fn, fd, view, off, n, base) for off, n in self._chunks(nbytes)]
 
-    def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int) -> None:
+    def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> None:
         errors = []
-        for f in self._submit_chunks(fn, fd, t, nbytes):
+        for f in self._submit_chunks(fn, fd, t, nbytes, base):
             try:
                 f.result()
             except BaseException as e:  # wait for every chunk before raising
@@ -289,31 +289,43 @@ class OffloadEngine:
         if errors:
             raise errors[0]
 
-    def _write_chunk(self, fd: int, view, off: int, n: int) -> None:
+    def _write_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
+        """Bytes [off, off+n) of `view` to the file at base+off."""
         if n == 0:
             return
         if self._swap is not None and self._swap.o_direct:
             padded = _round_up(n, ALIGN)
             buf = _aligned(padded)
             buf[:n] = view[off:off + n]
-            _pwrite_all(fd, memoryview(buf), off)
+            _pwrite_all(fd, memoryview(buf), base + off)
             return
         try:
-            _pwrite_all(fd, memoryview(view[off:off + n]), off)
+            _pwrite_all(fd, memoryview(view[off:off + n]), base + off)
         except OSError as e:
             raise ZinfError(
                 f"zinf: writing {n} bytes to the NVMe swap folder {self._swap.path!r} failed: {e.strerror}"
             ) from None
 
-    def _read_chunk(self, fd: int, view, off: int, n: int) -> None:
+    def _read_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         if n == 0:
             return
         if self._swap is not None and self._swap.o_direct:
             buf = _aligned(_round_up(n, ALIGN))
-            _pread_all(fd, memoryview(buf), off)
+            _pread_all(fd, memoryview(buf), base + off)
             view[off:off + n] = buf[:n]
             return
-        _pread_all(fd, memoryview(view[off:off + n]), off)
+        _pread_all(fd, memoryview(view[off:off + n]), base + off)
+
+    # -- whole files, for the parameter store and the optimizer ----------------------------------
+    def write_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
+        """t's bytes (contiguous, on the CPU) into the file at `offset`, in parallel chunks."""
+        self._run_chunks(self._write_chunk, fd, t, t.numel() * t.element_size(), offset)
+        self.stats["bytes_written"] += t.numel() * t.element_size()
+
+    def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
+        """The file's bytes from `offset` into t (contiguous, on the CPU)."""
+        self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
+        self.stats["bytes_read"] += t.numel() * t.element_size()
 
 
 def _when_all_done(futures: list[Future], fn) -> None:

@@ -3,6 +3,8 @@
     offload(x, engine, dim_order)                      -> handle   (x leaves the device)
     prefetch(h, engine, device)                        -> handle   (the read starts)
     wait(h, engine, dtype, device, dim_order)          -> tensor   (the read is joined)
+    gather(p)                                          -> tensor   (a managed parameter, whole)
+    reduce_grad(g, pid)                                -> ()       (g into the gradient shard)
 
 A handle is an int64 tensor shaped like the tensor it stands for, with all strides 0 (one element
 in memory): see engine.py.
@@ -17,6 +19,10 @@ _lib = torch.library.Library("zinf", "DEF")
 _lib.define("offload(Tensor x, int engine, int[] dim_order) -> Tensor")
 _lib.define("prefetch(Tensor h, int engine, Device device) -> Tensor")
 _lib.define("wait(Tensor h, int engine, ScalarType dtype, Device device, int[] dim_order) -> Tensor")
+# gather is pure for the graph (the same parameter gives the same value), so the partitioner may
+# recompute it in the backward; reduce_grad returns nothing and must never be removed.
+_lib.define("gather(Tensor p) -> Tensor")
+_lib.define("reduce_grad(Tensor g, int pid) -> ()")
 
 
 def _fake_handle(shape) -> torch.Tensor:
@@ -56,7 +62,34 @@ def _wait_fake(h, engine_key, dtype, device, dim_order):
     return torch.empty(stored_shape, dtype=dtype, device=device).permute(inverse_order(dim_order))
 
 
+@torch.library.impl(_lib, "gather", "CompositeExplicitAutograd")
+def _gather(p):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.gather(p)
+
+
+@torch.library.register_fake("zinf::gather", lib=_lib)
+def _gather_fake(p):
+    return torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
+@torch.library.impl(_lib, "reduce_grad", "CompositeExplicitAutograd")
+def _reduce_grad(g, pid):
+    from zinf_compile.runtime.params import STORE
+
+    STORE.reduce_grad(pid, g)
+
+
+@torch.library.register_fake("zinf::reduce_grad", lib=_lib)
+def _reduce_grad_fake(g, pid):
+    return None
+
+
 offload = torch.ops.zinf.offload.default
 prefetch = torch.ops.zinf.prefetch.default
 wait = torch.ops.zinf.wait.default
-ZINF_OPS = (offload, prefetch, wait)
+gather = torch.ops.zinf.gather.default
+reduce_grad = torch.ops.zinf.reduce_grad.default
+torch.fx.node.has_side_effect(reduce_grad)
+ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad)

@@ -1,0 +1,125 @@
+"""Partitioned parameters (ZeRO-3): gather before use, release after, gradients reduced to shards.
+
+    InsertGathers   joint or inference graph: each managed parameter is read only through
+                    `zinf::gather(p)`, placed before its first use. In a joint graph the gather is
+                    marked MUST_RECOMPUTE, so the partitioner gathers again in the backward instead
+                    of saving the whole parameter from forward to backward.
+    ReduceGrads     backward graph: each managed parameter's gradient goes to
+                    `zinf::reduce_grad(g, pid)` (into its shard) and the graph returns None for it,
+                    so autograd never accumulates a whole gradient.
+    SinkGathers     any graph: each gather moves to just before its first user (the partitioner puts
+                    recomputed nodes where it likes), so a parameter is whole only while it is used.
+
+Release needs no node: the gathered tensor is an ordinary buffer, freed by Inductor after its last
+use; the plan records where that is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .base import PassReport
+
+
+def param_meta(name: str, pid: int, resident_bytes: int, tier: str) -> dict:
+    """The meta a managed parameter's placeholder carries (the analysis counts `resident_bytes`)."""
+    return {"kind": "param", "name": name, "pid": pid, "resident_bytes": resident_bytes, "tier": tier}
+
+
+def _fake_gather(p: fx.Node):
+    from torch._guards import detect_fake_mode
+
+    val = p.meta["val"]
+    mode = detect_fake_mode([val])
+    with mode:
+        return torch.empty_like(val, memory_format=torch.contiguous_format)
+
+
+@dataclass(frozen=True)
+class InsertGathers:
+    name: str = "insert-gathers"
+
+    def __call__(self, graph: fx.Graph, managed: dict[fx.Node, dict], recompute: bool) -> PassReport:
+        """`managed`: placeholder -> param_meta(...)."""
+        from zinf_compile.runtime.ops import gather
+
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        changes = []
+        for p, meta in managed.items():
+            p.meta["zinf"] = meta
+            users = sorted(p.users, key=order.get)
+            if not users:
+                continue
+            with graph.inserting_before(users[0]):
+                g = graph.call_function(gather, (p,))
+            g.meta["val"] = _fake_gather(p)
+            g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
+            if recompute:
+                g.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            p.replace_all_uses_with(g, delete_user_cb=lambda u, g=g: u is not g)
+            changes.append(f"gather {meta['name']} before {users[0].name}")
+        graph.lint()
+        return PassReport(self.name, tuple(changes), {"gathers": len(changes)} if changes else {})
+
+
+@dataclass(frozen=True)
+class ReduceGrads:
+    name: str = "reduce-grads"
+
+    def __call__(self, graph: fx.Graph, slots: dict[int, dict]) -> PassReport:
+        """`slots`: position among the backward's outputs -> param_meta(...) of that parameter."""
+        from zinf_compile.runtime.ops import reduce_grad
+
+        out = next(iter(graph.find_nodes(op="output")))
+        outs = list(out.args[0])
+        changes = []
+        for i, meta in sorted(slots.items()):
+            g = outs[i]
+            if not isinstance(g, fx.Node):
+                continue  # no gradient flows to this parameter
+            with graph.inserting_before(out):
+                r = graph.call_function(reduce_grad, (g, meta["pid"]))
+            r.meta["val"] = None
+            r.meta["zinf"] = {"kind": "reduce", "name": meta["name"], "pid": meta["pid"]}
+            outs[i] = None
+            changes.append(f"reduce-scatter the gradient of {meta['name']} ({g.name})")
+        out.args = (tuple(outs),)
+        SinkGathers.sink_to_producer(graph)
+        graph.lint()
+        return PassReport(self.name, tuple(changes), {"reduces": len(changes)} if changes else {})
+
+
+@dataclass(frozen=True)
+class SinkGathers:
+    name: str = "sink-gathers"
+
+    def __call__(self, graph: fx.Graph) -> PassReport:
+        from zinf_compile.runtime.ops import gather
+
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        moved = []
+        for g in list(graph.find_nodes(op="call_function", target=gather)):
+            users = sorted(g.users, key=order.get)
+            if users and users[0].prev is not g:
+                users[0].prepend(g)
+                moved.append(f"{g.name} before {users[0].name}")
+        graph.lint()
+        return PassReport(self.name, tuple(moved), {"moved": len(moved)} if moved else {})
+
+    @staticmethod
+    def sink_to_producer(graph: fx.Graph) -> None:
+        """Each reduce_grad right after the node that makes its gradient (the gradient's last use)."""
+        from zinf_compile.runtime.ops import reduce_grad
+
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for r in list(graph.find_nodes(op="call_function", target=reduce_grad)):
+            g = r.args[0]
+            anchor = g
+            # after the last reader of g, so g dies at the reduce
+            readers = [u for u in g.users if u is not r and u.op != "output"]
+            if readers:
+                anchor = max(readers, key=order.get)
+            anchor.append(r)

@@ -1,0 +1,298 @@
+"""The parameter store: ZeRO-3 shards of the parameters zinf manages, in their home tier.
+
+A managed parameter keeps its Python object, shape, dtype, device and requires_grad (Dynamo's
+guards see nothing change) but its storage is freed (`untyped_storage().resize_(0)`). Its data lives
+here as this rank's shard: the flattened parameter, padded to a multiple of the world size, split in
+equal parts. The compiled graph reads a managed parameter only through `zinf::gather`, and hands its
+gradient to `zinf::reduce_grad`, which reduce-scatters it into the shard's gradient.
+
+Home tiers: "cpu" (host memory, pinned on CUDA) or "nvme" (files in the engine's swap folder).
+A shard's gradient lives in the same tier (ZeRO-Infinity keeps gradients in host memory; on a CPU
+device host memory *is* the device, so the NVMe tier keeps gradients in files too).
+
+Entries are found from any alias of the parameter through its storage: autograd and AOT may hand
+the graph a different tensor object over the same storage, never a different storage.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zinf_compile.errors import ZinfError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class Entry:
+    """One managed parameter on this rank."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device  # where the graph computes with the gathered parameter
+    requires_grad: bool
+    rank: int
+    world: int
+    tier: str  # "cpu" | "nvme"
+    engine_key: int
+    param: weakref.ref = field(repr=False)
+    shard: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
+    fd: int | None = None  # nvme tier: the shard's file
+    grad: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
+    grad_fd: int | None = None  # nvme tier
+    has_grad: bool = False
+    state_fds: dict = field(default_factory=dict)  # optimizer states in files (nvme tier)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_numel * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def engine(self):
+        from zinf_compile.runtime.engine import get_engine
+
+        return get_engine(self.engine_key)
+
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's [start, end) in the flat parameter (end may pass numel: padding)."""
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    # -- the shard's bytes, wherever they live --------------------------------------------------
+    def _host_buffer(self) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.empty(self.shard_numel, dtype=self.dtype, pin_memory=pin)
+
+    def read_shard(self) -> torch.Tensor:
+        """The shard as a fresh flat host tensor."""
+        if self.tier == "cpu":
+            return self.shard.clone()
+        out = self._host_buffer()
+        self.engine.read_file(self.fd, out)
+        return out
+
+    def write_shard(self, flat: torch.Tensor) -> None:
+        flat = flat.detach().reshape(-1).to("cpu")
+        if self.tier == "cpu":
+            if self.shard is None:
+                self.shard = self._host_buffer()
+            self.shard.copy_(flat)
+        else:
+            if self.fd is None:
+                self.fd = self.engine.swap.acquire()[1]
+            self.engine.write_file(self.fd, flat.contiguous())
+
+    def read_grad(self) -> torch.Tensor | None:
+        if not self.has_grad:
+            return None
+        if self.tier == "cpu":
+            return self.grad
+        out = self._host_buffer()
+        self.engine.read_file(self.grad_fd, out)
+        return out
+
+    def write_grad(self, flat: torch.Tensor) -> None:
+        if self.tier == "cpu":
+            self.grad = flat
+        else:
+            if self.grad_fd is None:
+                self.grad_fd = self.engine.swap.acquire()[1]
+            self.engine.write_file(self.grad_fd, flat.contiguous())
+        self.has_grad = True
+
+    def state_fd(self, name: str) -> int:
+        if name not in self.state_fds:
+            self.state_fds[name] = self.engine.swap.acquire()[1]
+        return self.state_fds[name]
+
+
+class ParamStore:
+    """Every parameter a compile has seen (by storage, with a stable id) and those it manages."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, int] = {}  # storage key -> pid
+        self._params: dict[int, weakref.ref] = {}  # pid -> parameter
+        self._names: dict[int, str] = {}
+        self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
+        self._lock = threading.RLock()
+        self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def identify(self, param: torch.Tensor, name: str) -> int:
+        """A stable id for `param` (its storage), given on first sight."""
+        with self._lock:
+            k = _key(param)
+            pid = self._ids.get(k)
+            if pid is None:
+                pid = len(self._params)
+                self._ids[k] = pid
+                self._params[pid] = weakref.ref(param)
+                self._names[pid] = name
+                weakref.finalize(param, self._forget_id, k, pid)
+            return pid
+
+    def _forget_id(self, k: int, pid: int) -> None:
+        with self._lock:
+            if self._ids.get(k) == pid:
+                del self._ids[k]
+            self._entries.pop(pid, None)
+
+    def pid(self, t: torch.Tensor) -> int | None:
+        return self._ids.get(_key(t))
+
+    def entry(self, t: torch.Tensor) -> Entry | None:
+        pid = self._ids.get(_key(t))
+        return None if pid is None else self._entries.get(pid)
+
+    def entry_by_id(self, pid: int) -> Entry | None:
+        return self._entries.get(pid)
+
+    def is_managed(self, t: torch.Tensor) -> bool:
+        return self.entry(t) is not None
+
+    def entries(self) -> list[Entry]:
+        return sorted(self._entries.values(), key=lambda e: e.index)
+
+    def manage(self, pid: int, tier: str, engine_key: int) -> Entry:
+        """Take parameter `pid` over: copy this rank's shard to its tier, free its storage."""
+        with self._lock:
+            e = self._entries.get(pid)
+            if e is not None:
+                return e
+            param = self._params[pid]()
+            name = self._names[pid]
+            if param is None:
+                raise ZinfError(f"zinf: parameter {name!r} no longer exists")
+            if param.untyped_storage().nbytes() < param.numel() * param.element_size():
+                raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
+            rank, size = world()
+            e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
+                      param.requires_grad, rank, size, tier, engine_key, weakref.ref(param))
+            lo, hi = e.shard_range()
+            flat = param.detach().reshape(-1)
+            shard = torch.zeros(e.shard_numel, dtype=param.dtype, device=param.device)
+            n = max(0, min(hi, e.numel) - lo)
+            shard[:n] = flat[lo:lo + n]
+            e.write_shard(shard)
+            del shard, flat
+            param.untyped_storage().resize_(0)
+            self._entries[pid] = e
+            return e
+
+    def release(self, param: torch.Tensor) -> None:
+        """Give `param` its full data back and stop managing it (the inverse of `manage`)."""
+        e = self.entry(param)
+        if e is None:
+            return
+        full = self.full(e)
+        with self._lock:
+            del self._entries[e.index]
+        param.untyped_storage().resize_(e.nbytes)
+        with torch.no_grad():
+            param.copy_(full)
+
+    # -- what the graph calls -----------------------------------------------------------------
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        e = self._require(t)
+        out = self.full(e)
+        self.stats["gathers"] += 1
+        self.stats["bytes_gathered"] += e.nbytes
+        return out
+
+    def full(self, e: Entry) -> torch.Tensor:
+        """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
+        shard = e.read_shard().to(e.device, non_blocking=True)
+        if e.world > 1:
+            flat = torch.empty(e.shard_numel * e.world, dtype=e.dtype, device=e.device)
+            dist.all_gather_into_tensor(flat, shard)
+        else:
+            flat = shard
+        return flat[: e.numel].view(e.shape)
+
+    def reduce_grad(self, pid: int, g: torch.Tensor) -> None:
+        """Add this step's gradient of parameter `pid` (whole, from this rank's batch) into the
+        shard's gradient; over ranks, the mean (as DDP and DeepSpeed do)."""
+        e = self._entries.get(pid)
+        if e is None:
+            raise ZinfError(f"zinf: a graph reduces the gradient of parameter #{pid}, which the store "
+                            "does not manage")
+        flat = g.detach().reshape(-1)
+        if e.world > 1:
+            padded = torch.zeros(e.shard_numel * e.world, dtype=g.dtype, device=g.device)
+            padded[: e.numel] = flat
+            part = torch.empty(e.shard_numel, dtype=g.dtype, device=g.device)
+            _reduce_scatter(part, padded)
+            part.div_(e.world)
+        else:
+            part = flat
+        part = part.to("cpu", copy=True) if part.device.type != "cpu" or part is flat else part
+        with e.lock:
+            prev = e.read_grad()
+            e.write_grad(part if prev is None else prev.add_(part))
+        self.stats["reduces"] += 1
+
+    def zero_grad(self, entries=None) -> None:
+        for e in entries if entries is not None else self.entries():
+            e.grad = None
+            e.has_grad = False
+
+    def _require(self, t: torch.Tensor) -> Entry:
+        e = self.entry(t)
+        if e is None:
+            raise ZinfError("zinf: a graph gathers a parameter the store does not manage (was the store "
+                            "reset while compiled code still runs?)")
+        return e
+
+
+
+_REDUCE_SCATTER_OK: bool | None = None
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """reduce_scatter_tensor where the backend has it; gloo builds without it all-reduce instead."""
+    global _REDUCE_SCATTER_OK
+    if _REDUCE_SCATTER_OK is not False:
+        try:
+            dist.reduce_scatter_tensor(out, inp)
+            _REDUCE_SCATTER_OK = True
+            return
+        except (RuntimeError, NotImplementedError, ValueError):
+            if _REDUCE_SCATTER_OK:
+                raise
+            _REDUCE_SCATTER_OK = False
+    dist.all_reduce(inp)
+    rank = dist.get_rank()
+    out.copy_(inp[rank * out.numel():(rank + 1) * out.numel()])
+
+
+STORE = ParamStore()
