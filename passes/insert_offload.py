@@ -35,7 +35,7 @@ class InsertOffloads:
     def __call__(self, ctx: PassContext) -> PassReport:
         gaps = {(g.buffer, g.after, g.before): g for g in ctx.facts.gaps}
         groups: dict[int, dict[str, object]] = {}
-        for a in ctx.plan.actions:
+        for a in ctx.plan.moves():
             groups.setdefault(a.group, {})[a.kind] = a
         stand_in: dict[int, fx.Node] = {}
         changes = []

@@ -24,9 +24,30 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .base import PassReport
 
 
-def param_meta(name: str, pid: int, resident_bytes: int, tier: str) -> dict:
+def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True) -> dict:
     """The meta a managed parameter's placeholder carries (the analysis counts `resident_bytes`)."""
-    return {"kind": "param", "name": name, "pid": pid, "resident_bytes": resident_bytes, "tier": tier}
+    return {"kind": "param", "name": name, "pid": pid, "resident_bytes": resident_bytes, "tier": tier,
+            "requires_grad": requires_grad}
+
+
+def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict]):
+    """Partition a joint graph whose primals `managed` (primal index -> param_meta) are managed
+    parameters: gathers in, partition (gathers recomputed in backward), gradients to reduce_grad,
+    gathers next to their uses. Returns (forward, backward, reports)."""
+    reports = []
+    if managed:
+        primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+        reports.append(InsertGathers()(gm.graph, {primals[i]: m for i, m in managed.items()}, recompute=True))
+        gm.recompile()
+    fw, bw = partition_fn(gm, joint_inputs, **kwargs)
+    if managed:
+        # the backward returns one gradient per primal, in order (None where none flows)
+        reports.append(ReduceGrads()(bw.graph, {i: m for i, m in managed.items() if m["requires_grad"]}))
+        reports.append(SinkGathers()(fw.graph))
+        reports.append(SinkGathers()(bw.graph))
+        for m in (fw, bw):
+            m.recompile()
+    return fw, bw, reports
 
 
 def _fake_gather(p: fx.Node):

@@ -65,7 +65,7 @@ def verify(ctx: PassContext, num_fwd_outputs: int, after: str) -> int:
         p, w = facts.step_of[pre], facts.step_of[y]
         live[p:w] += facts.buffers[_buffer_of(facts, y)].nbytes
     peak = int(live.max()) if len(live) else 0
-    if tier_frees_device(ctx.plan.tier, ctx.plan.device) and peak > ctx.plan.budget and ctx.plan.actions:
+    if tier_frees_device(ctx.plan.tier, ctx.plan.device) and peak > ctx.plan.budget and ctx.plan.moves():
         fail(f"simulated peak {peak} bytes is over the budget {ctx.plan.budget}")
     return peak
 

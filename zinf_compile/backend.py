@@ -145,28 +145,13 @@ class ZinfPartitioner(CustomPartitionerFn):
     def _partition(self, gm: fx.GraphModule, chosen, joint_inputs, kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from zinf_compile.passes.params import InsertGathers, ReduceGrads, SinkGathers, param_meta
+        from zinf_compile.passes.params import param_meta, partition_with_params
 
         s = self.session
-        num_fwd_outputs = kwargs["num_fwd_outputs"]
-        reports = []
-        if chosen:
-            managed = {}
-            for n, info in chosen:
-                n_primal = [p for p in gm.graph.find_nodes(op="placeholder") if p.name == n.name][0]
-                managed[n_primal] = param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier)
-            reports.append(InsertGathers()(gm.graph, managed, recompute=True))
-            gm.recompile()
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        if chosen:
-            slots = {info.index: param_meta(info.name, info.pid, 0, s.tier) for _, info in chosen
-                     if info.requires_grad}
-            reports.append(ReduceGrads()(bw.graph, slots))
-            reports.append(SinkGathers()(fw.graph))
-            reports.append(SinkGathers()(bw.graph))
-            for m in (fw, bw):
-                m.recompile()
-        plan_and_rewrite(s, {"forward": fw, "backward": bw}, num_fwd_outputs, pre_reports=reports)
+        managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad)
+                   for _, info in chosen}
+        fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed)
+        plan_and_rewrite(s, {"forward": fw, "backward": bw}, kwargs["num_fwd_outputs"], pre_reports=reports)
         _take_over(s, [info for _, info in chosen])
         for m in (fw, bw):
             next(iter(m.graph.find_nodes(op="output"))).meta[PLANNED] = True

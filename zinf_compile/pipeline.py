@@ -13,7 +13,8 @@ from zinf_compile import records
 from zinf_compile.analysis.facts import GraphSpec, analyze
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import load_profile, step_cost
-from zinf_compile.planner import make_plan
+from zinf_compile.planner import make_plan, managed_params, with_param_actions
+from zinf_compile.runtime.params import world
 
 
 def graph_specs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> list[GraphSpec]:
@@ -58,6 +59,9 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         if cfg.budget_fraction is not None:
             budget = int(facts.peak * cfg.budget_fraction)
         plan = make_plan(facts, budget, profile, session.tier)
+        params = managed_params(graphs.values(), world()[1])
+        if params:
+            plan = with_param_actions(plan, facts, params)
         ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
         before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
         reports, peak = list(pre_reports), None
@@ -69,7 +73,7 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         if session.engine.live_tickets() == 0:
             session.engine.close()  # leave no empty swap folder behind a failed compile
         raise
-    if not tier_frees_device(session.tier, session.device) and plan.actions:
+    if not tier_frees_device(session.tier, session.device) and plan.moves():
         warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "
                       "RAM); the plan still runs. Use offload='nvme' to lower the peak.", stacklevel=2)
     rec = records.add(plan, reports, graphs, peak)

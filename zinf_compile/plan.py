@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 PLAN_VERSION = 1
 
-ActionKind = Literal["offload", "prefetch", "wait"]
+# offload/prefetch/wait move activations (group >= 0: one gap each); gather/release/reduce are a
+# managed parameter's (group = -1 - its id): gathered whole before use, released after the last use,
+# its gradient reduce-scattered into the shard.
+ActionKind = Literal["offload", "prefetch", "wait", "gather", "release", "reduce"]
 Tier = Literal["cpu", "nvme"]
 TensorRole = Literal["input", "activation", "saved", "output", "gradient", "tangent"]
 
@@ -58,6 +61,18 @@ class Action:
 
 
 @dataclass(frozen=True)
+class ManagedParam:
+    """A parameter the plan shards and keeps in a tier (ZeRO-3), gathered only around its uses."""
+
+    pid: int  # the parameter store's id; its actions have group -1 - pid
+    name: str
+    nbytes: int  # the whole parameter
+    shard_nbytes: int  # what one rank keeps
+    tier: Tier
+    world: int
+
+
+@dataclass(frozen=True)
 class Plan:
     version: int
     graphs: tuple[str, ...]
@@ -77,6 +92,7 @@ class Plan:
     predicted_compute_s: float
     predicted_stall_s: float
     notes: tuple[str, ...] = field(default=())
+    params: tuple[ManagedParam, ...] = field(default=())
 
     # -- summaries -------------------------------------------------------------------------------
     def action_counts(self) -> dict[str, int]:
@@ -84,6 +100,10 @@ class Plan:
         for a in self.actions:
             counts[a.kind] = counts.get(a.kind, 0) + 1
         return counts
+
+    def moves(self) -> tuple[Action, ...]:
+        """The activation actions (offload/prefetch/wait), without the parameters' ones."""
+        return tuple(a for a in self.actions if a.group >= 0)
 
     def is_empty(self) -> bool:
         return not self.actions
@@ -116,6 +136,7 @@ class Plan:
         d["timeline_before"] = tuple(d["timeline_before"])
         d["timeline_after"] = tuple(d["timeline_after"])
         d["notes"] = tuple(d.get("notes", ()))
+        d["params"] = tuple(ManagedParam(**p) for p in d.get("params", ()))
         plan = Plan(**d)
         plan.check()
         return plan

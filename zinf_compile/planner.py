@@ -19,7 +19,7 @@ from zinf_compile.analysis.facts import Gap, GraphFacts
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
-from zinf_compile.plan import PLAN_VERSION, Action, Plan, Step, TensorLife
+from zinf_compile.plan import PLAN_VERSION, Action, ManagedParam, Plan, Step, TensorLife
 
 
 def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
@@ -160,17 +160,66 @@ def _tensor_lives(facts: GraphFacts, moved: set[int]) -> tuple[TensorLife, ...]:
         keep = sorted(bufs, key=lambda b: -b.nbytes)[:2000]
         bufs = sorted({*keep, *(b for b in bufs if b.id in moved)}, key=lambda b: b.id)
     movable = {g.buffer for g in facts.gaps}
+    return tuple(_life(b, b.id in movable) for b in bufs)
+
+
+def _life(b, movable: bool) -> TensorLife:
     from zinf_compile.analysis.sizes import shape_str
 
-    out = []
-    for b in bufs:
-        val = b.aliases[0].meta.get("val")
-        if isinstance(val, (list, tuple)):
-            val = next((v for v in val if hasattr(v, "shape")), None)
-        out.append(TensorLife(
-            id=b.id, name=b.aliases[0].name, graph=b.graph, role=b.role,  # type: ignore[arg-type]
-            nbytes=b.nbytes, size_expr=str(b.size_expr),
-            shape=shape_str(val) if val is not None else "?", dtype=str(getattr(val, "dtype", "?")).replace("torch.", ""),
-            def_step=b.def_step, use_steps=b.use_steps, movable=b.id in movable,
-        ))
-    return tuple(out)
+    val = b.aliases[0].meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if hasattr(v, "shape")), None)
+    return TensorLife(
+        id=b.id, name=b.aliases[0].name, graph=b.graph, role=b.role,  # type: ignore[arg-type]
+        nbytes=b.nbytes, size_expr=str(b.size_expr),
+        shape=shape_str(val) if val is not None else "?", dtype=str(getattr(val, "dtype", "?")).replace("torch.", ""),
+        def_step=b.def_step, use_steps=b.use_steps, movable=movable,
+    )
+
+
+def with_param_actions(plan: Plan, facts: GraphFacts, params: dict) -> Plan:
+    """The plan plus each managed parameter's gather, release and reduce actions, read off the
+    graphs the parameter passes inserted. `params`: pid -> ManagedParam."""
+    import dataclasses
+
+    buffer_of = {}
+    for b in facts.buffers:
+        for n in b.aliases:
+            buffer_of.setdefault(n, b)
+    actions = list(plan.actions)
+    for st in facts.steps:
+        z = st.node.meta.get("zinf", {})
+        kind, pid = z.get("kind"), z.get("pid")
+        if kind not in ("gather", "reduce") or pid not in params:
+            continue
+        mp = params[pid]
+        if kind == "gather":
+            b = buffer_of.get(st.node)
+            if b is None:
+                continue
+            actions.append(Action("gather", b.id, st.index, mp.tier, mp.nbytes, -1 - pid))
+            actions.append(Action("release", b.id, b.end_step, mp.tier, mp.nbytes, -1 - pid))
+        else:
+            b = buffer_of.get(st.node.args[0])
+            if b is not None:
+                actions.append(Action("reduce", b.id, st.index, mp.tier, mp.nbytes, -1 - pid))
+    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
+    have = {t.id for t in plan.tensors}
+    extra = sorted({a.tensor for a in actions} - have)
+    tensors = tuple(sorted((*plan.tensors, *(_life(facts.buffers[i], False) for i in extra)), key=lambda t: t.id))
+    return dataclasses.replace(plan, actions=tuple(actions), tensors=tensors,
+                               params=tuple(sorted(params.values(), key=lambda m: m.pid)))
+
+
+def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
+    """The managed parameters of graphs the parameter passes rewrote, from their placeholders."""
+    out: dict[int, ManagedParam] = {}
+    for gm in graphs:
+        for n in gm.graph.find_nodes(op="placeholder"):
+            z = n.meta.get("zinf", {})
+            if z.get("kind") != "param" or z["pid"] in out:
+                continue
+            val = n.meta["val"]
+            nbytes = int(val.numel()) * val.element_size()
+            out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-nbytes // world), z["tier"], world)
+    return out

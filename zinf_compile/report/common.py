@@ -64,7 +64,7 @@ def segments(plan: Plan) -> list[Segment]:
 def groups(plan: Plan) -> list[Group]:
     """Offload groups in order of their group id; the first action of each kind counts."""
     by_group: dict[int, dict[str, Action]] = {}
-    for a in plan.actions:
+    for a in plan.moves():
         by_group.setdefault(a.group, {}).setdefault(a.kind, a)
     out = []
     for gid in sorted(by_group):
