@@ -107,40 +107,12 @@ class ZinfPartitioner(CustomPartitionerFn):
         self.session = session
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
-        """Partition and plan; with parameters to manage, try the cheapest choice first: the
-        parameters as they are, then the fewest (largest first) that close the gap, then all."""
-        s = self.session
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        cands = _match_params(primals, s.params)
-        forced = [c for c in cands if c[1].managed]
-        big = [c for c in cands if c[1].nbytes >= PERSIST_BYTES or c[1].managed]
-        if s.cfg.params == "offload":
-            tries = [big]
-        elif s.cfg.params == "resident" or not big:
-            tries = [forced]
-        else:
-            tries = [forced, None, big]
-        err = None
-        for i, chosen in enumerate(tries):
-            if chosen is None:  # the fewest parameters, largest first, that free the shortfall
-                need = max(err.lower_bound, err.best_peak) - err.budget
-                chosen = list(forced)
-                for c in sorted(big, key=lambda c: (-c[1].nbytes, c[1].index)):
-                    have = sum(x[1].nbytes for x in chosen) - max((x[1].nbytes for x in chosen), default=0)
-                    if have >= need:
-                        break
-                    if c not in chosen:
-                        chosen.append(c)
-                if len(chosen) == len(big):
-                    continue
-            last = i == len(tries) - 1
-            try:
-                return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs)
-            except BudgetError as e:
-                if last:
-                    raise
-                err = e
-        raise err  # pragma: no cover  (the last try raises)
+
+        def attempt(chosen, last):
+            return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs)
+
+        return _try_param_choices(self.session, primals, attempt)
 
     def _partition(self, gm: fx.GraphModule, chosen, joint_inputs, kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -175,12 +147,73 @@ class ZinfPostGrad(_PostGradPass):
         if is_inference is None:  # an older torch: training graphs carry the partitioner's marker
             is_inference = not out.meta.get(PLANNED)
         if is_inference and not out.meta.get(PLANNED):
-            plan_and_rewrite(self.session, {"inference": graph.owning_module}, -1)
+            placeholders = list(graph.find_nodes(op="placeholder"))
+            _try_param_choices(self.session, placeholders, lambda chosen, last: self._plan(graph, chosen))
             out.meta[PLANNED] = True
         records.attach(graph, PinOrder()(graph))
 
+    def _plan(self, graph: fx.Graph, chosen) -> None:
+        """Plan an inference graph; a BudgetError comes before any rewrite, so a retry starts clean."""
+        from zinf_compile.passes.params import InsertGathers, param_meta
+
+        from zinf_compile.runtime.ops import gather
+
+        s = self.session
+        reports = []
+        if chosen:
+            managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False) for n, info in chosen}
+            reports.append(InsertGathers()(graph, managed, recompute=False))
+            graph.owning_module.recompile()
+        try:
+            plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=reports)
+        except BudgetError:  # raised before any other rewrite: take the gathers out for the next try
+            for g in list(graph.find_nodes(op="call_function", target=gather)):
+                g.replace_all_uses_with(g.args[0])
+                graph.erase_node(g)
+            for n, _ in chosen:
+                n.meta.pop("zinf", None)
+            raise
+        _take_over(s, [info for _, info in chosen])
+
     def uuid(self) -> str:
         return self.session.uuid()
+
+
+def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
+    """Run attempt(chosen, last) on the cheapest choice of managed parameters that fits the budget:
+    the parameters as they are, then the fewest (largest first) that free the shortfall, then every
+    parameter of PERSIST_BYTES or more. attempt raises BudgetError when a choice does not fit."""
+    cands = _match_params(primals, s.params)
+    forced = [c for c in cands if c[1].managed]
+    big = [c for c in cands if c[1].nbytes >= PERSIST_BYTES or c[1].managed]
+    if s.cfg.params == "offload":
+        tries = [big]
+    elif s.cfg.params == "resident" or not big:
+        tries = [forced]
+    else:
+        tries = [forced, None, big]
+    err = None
+    for i, chosen in enumerate(tries):
+        if chosen is None:
+            need = max(err.lower_bound, err.best_peak) - err.budget
+            chosen = list(forced)
+            for c in sorted(big, key=lambda c: (-c[1].nbytes, c[1].index)):
+                # the largest chosen parameter is whole on the device while it is used
+                have = sum(x[1].nbytes for x in chosen) - max((x[1].nbytes for x in chosen), default=0)
+                if have >= need:
+                    break
+                if c not in chosen:
+                    chosen.append(c)
+            if len(chosen) == len(big):
+                continue
+        last = i == len(tries) - 1
+        try:
+            return attempt(chosen, last)
+        except BudgetError as e:
+            if last:
+                raise
+            err = e
+    raise err  # pragma: no cover  (the last try raises)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number

@@ -1,0 +1,56 @@
+"""A training run for the multi-rank tests, started by torchrun:
+
+    torchrun --nproc-per-node N tests/workers/dist_train.py OUT.json TIER OFFLOAD_DIR
+
+Trains a small model for a few steps on one global batch split over the ranks (gloo), with every
+large parameter sharded (params="offload") and zinf's optimizer; rank 0 writes the losses (the mean
+over ranks), the resident parameter bytes per rank and the final full state dict to OUT.json/.pt.
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import zinf_compile
+from zinf_compile.runtime.params import STORE
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 65))
+
+
+def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 64), torch.randn(32, 65)
+    model = torch.compile(build(), backend="zinf",
+                          options={"params": "offload", "offload": tier, "offload_dir": offload_dir})
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    shard_bytes = sum(e.shard_nbytes for e in STORE.entries())
+    per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(per_rank, torch.tensor([shard_bytes]))
+    state = zinf_compile.full_state_dict(model)
+    if rank == 0:
+        torch.save(state, out + ".pt")
+        with open(out, "w") as f:
+            json.dump({"world": world, "losses": losses, "shard_bytes": [int(t) for t in per_rank],
+                       "managed": [e.name for e in STORE.entries()]}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
