@@ -144,3 +144,78 @@ class SinkGathers:
             if readers:
                 anchor = max(readers, key=order.get)
             anchor.append(r)
+
+
+@dataclass(frozen=True)
+class PrefetchGathers:
+    """Start each gather's shard read early enough to hide it under compute: walk back from the
+    gather over the steps before it, adding their estimated time, until the read fits; never past
+    the previous gather of the same graph (so at most the next few parameters are in flight), never
+    across a graph. The gather becomes gather_from(p, fetch(p)); the fetched shard counts as memory
+    from the fetch on (`resident_bytes` on the fetch node)."""
+
+    name: str = "prefetch-gathers"
+
+    def __call__(self, graph: fx.Graph, step_time, read_time, fetched_bytes) -> PassReport:
+        """step_time(node) -> seconds; read_time(nbytes) -> seconds; fetched_bytes(nbytes) -> the
+        device bytes a fetched shard holds until its gather (0 when it lands off the device)."""
+        from zinf_compile.runtime.ops import fetch, gather, gather_from
+
+        nodes = list(graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        gathers = sorted(graph.find_nodes(op="call_function", target=gather), key=pos.get)
+        changes = []
+        floor = 0
+        for g in gathers:
+            p = g.args[0]
+            val = p.meta["val"]
+            nbytes = int(val.numel()) * val.element_size()
+            need, hidden, at = read_time(nbytes), 0.0, pos[g]
+            while at - 1 > floor and hidden < need:
+                at -= 1
+                if nodes[at].op == "call_function":
+                    hidden += step_time(nodes[at])
+            floor = pos[g]
+            if at == pos[g]:
+                continue
+            with graph.inserting_before(nodes[at]):
+                h = graph.call_function(fetch, (p,))
+                h.meta["val"] = _fake_handle(val)
+                h.meta["zinf"] = {"kind": "fetch", "name": g.meta["zinf"]["name"], "pid": g.meta["zinf"]["pid"],
+                                  "resident_bytes": fetched_bytes(nbytes)}
+            with graph.inserting_before(g):
+                new = graph.call_function(gather_from, (p, h))
+            new.meta.update(g.meta)
+            g.replace_all_uses_with(new)
+            graph.erase_node(g)
+            changes.append(f"fetch {h.meta['zinf']['name']} {pos[g] - at} nodes ahead")
+        graph.lint()
+        return PassReport(self.name, tuple(changes), {"fetches": len(changes)} if changes else {})
+
+
+def _fake_handle(val):
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode([val]):
+        return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+def remove_param_nodes(graph: fx.Graph) -> None:
+    """Undo InsertGathers/PrefetchGathers on a graph (a plan that did not fit: try another choice)."""
+    from zinf_compile.runtime.ops import fetch, gather, gather_from
+
+    for g in list(graph.find_nodes(op="call_function", target=gather)) + list(
+            graph.find_nodes(op="call_function", target=gather_from)):
+        g.replace_all_uses_with(g.args[0])
+        graph.erase_node(g)
+    for f in list(graph.find_nodes(op="call_function", target=fetch)):
+        graph.erase_node(f)
+    for n in graph.find_nodes(op="placeholder"):
+        if n.meta.get("zinf", {}).get("kind") == "param":
+            del n.meta["zinf"]
+
+
+def is_gather(n: fx.Node) -> bool:
+    from zinf_compile.runtime.ops import gather, gather_from
+
+    return n.op == "call_function" and n.target in (gather, gather_from)

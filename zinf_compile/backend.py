@@ -123,7 +123,21 @@ class ZinfPartitioner(CustomPartitionerFn):
         managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad)
                    for _, info in chosen}
         fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed)
-        plan_and_rewrite(s, {"forward": fw, "backward": bw}, kwargs["num_fwd_outputs"], pre_reports=reports)
+        graphs = {"forward": fw, "backward": bw}
+        if managed and s.tier == "nvme":
+            # fetch shards ahead of their gathers; when that breaks the budget, gather just in time
+            trial = {k: copy.deepcopy(m) for k, m in graphs.items()}
+            pre = reports + _prefetch_gathers(s, [m.graph for m in trial.values()])
+            for m in trial.values():
+                m.recompile()
+            try:
+                plan_and_rewrite(s, trial, kwargs["num_fwd_outputs"], pre_reports=pre)
+                graphs, reports = trial, None
+            except BudgetError:
+                pass
+        if reports is not None:
+            plan_and_rewrite(s, graphs, kwargs["num_fwd_outputs"], pre_reports=reports)
+        fw, bw = graphs["forward"], graphs["backward"]
         _take_over(s, [info for _, info in chosen])
         for m in (fw, bw):
             next(iter(m.graph.find_nodes(op="output"))).meta[PLANNED] = True
@@ -154,25 +168,26 @@ class ZinfPostGrad(_PostGradPass):
 
     def _plan(self, graph: fx.Graph, chosen) -> None:
         """Plan an inference graph; a BudgetError comes before any rewrite, so a retry starts clean."""
-        from zinf_compile.passes.params import InsertGathers, param_meta
-
-        from zinf_compile.runtime.ops import gather
+        from zinf_compile.passes.params import InsertGathers, param_meta, remove_param_nodes
 
         s = self.session
-        reports = []
-        if chosen:
-            managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False) for n, info in chosen}
-            reports.append(InsertGathers()(graph, managed, recompute=False))
-            graph.owning_module.recompile()
-        try:
-            plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=reports)
-        except BudgetError:  # raised before any other rewrite: take the gathers out for the next try
-            for g in list(graph.find_nodes(op="call_function", target=gather)):
-                g.replace_all_uses_with(g.args[0])
-                graph.erase_node(g)
-            for n, _ in chosen:
-                n.meta.pop("zinf", None)
-            raise
+        for prefetch in (True, False) if chosen and s.tier == "nvme" else (False,):
+            reports = []
+            if chosen:
+                managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False)
+                           for n, info in chosen}
+                reports.append(InsertGathers()(graph, managed, recompute=False))
+                if prefetch:
+                    reports += _prefetch_gathers(s, [graph])
+                graph.owning_module.recompile()
+            try:
+                plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=reports)
+                break
+            except BudgetError:  # raised before any other rewrite: take the gathers out, try again
+                remove_param_nodes(graph)
+                graph.owning_module.recompile()
+                if not prefetch:
+                    raise
         _take_over(s, [info for _, info in chosen])
 
     def uuid(self) -> str:
@@ -260,6 +275,23 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
     from zinf_compile.runtime.params import world
 
     return -(-info.nbytes // world()[1])
+
+
+def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
+    """Fetch NVMe-resident shards ahead of their gathers, as far as the cost model says hides the read."""
+    if s.tier != "nvme":
+        return []  # a CPU-tier shard is already in host memory: nothing to start early
+    from zinf_compile.config import tier_frees_device
+    from zinf_compile.cost import load_profile, step_cost
+    from zinf_compile.passes.params import PrefetchGathers
+    from zinf_compile.runtime.params import world
+
+    profile = load_profile(s.cfg.profile, s.device)
+    cost = step_cost(profile)
+    frees = tier_frees_device("cpu", s.device)  # the fetched shard lands in host memory
+    n_world = world()[1]
+    return [PrefetchGathers()(g, lambda n: cost(n)[1], lambda b: profile.transfer_time(-(-b // n_world), "nvme", "in"),
+                              lambda b: 0 if frees else -(-b // n_world)) for g in graphs]
 
 
 def _take_over(s: Session, infos: list[ParamInfo]) -> None:

@@ -14,9 +14,9 @@ from typing import Any, Literal
 PLAN_VERSION = 1
 
 # offload/prefetch/wait move activations (group >= 0: one gap each); gather/release/reduce are a
-# managed parameter's (group = -1 - its id): gathered whole before use, released after the last use,
-# its gradient reduce-scattered into the shard.
-ActionKind = Literal["offload", "prefetch", "wait", "gather", "release", "reduce"]
+# managed parameter's (group = -1 - its id): its shard's read started early (fetch), gathered whole
+# before use, released after the last use, its gradient reduce-scattered into the shard.
+ActionKind = Literal["offload", "prefetch", "wait", "fetch", "gather", "release", "reduce"]
 Tier = Literal["cpu", "nvme"]
 TensorRole = Literal["input", "activation", "saved", "output", "gradient", "tangent"]
 

@@ -190,10 +190,14 @@ def with_param_actions(plan: Plan, facts: GraphFacts, params: dict) -> Plan:
     for st in facts.steps:
         z = st.node.meta.get("zinf", {})
         kind, pid = z.get("kind"), z.get("pid")
-        if kind not in ("gather", "reduce") or pid not in params:
+        if kind not in ("gather", "reduce", "fetch") or pid not in params:
             continue
         mp = params[pid]
-        if kind == "gather":
+        if kind == "fetch":
+            b = buffer_of.get(st.node)
+            if b is not None:
+                actions.append(Action("fetch", b.id, st.index, mp.tier, mp.shard_nbytes, -1 - pid))
+        elif kind == "gather":
             b = buffer_of.get(st.node)
             if b is None:
                 continue

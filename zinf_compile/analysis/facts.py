@@ -129,7 +129,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         b_graph.append(graph)
         b_role.append(role)
         zmeta = node.meta.get("zinf", {})
-        if zmeta.get("kind") == "param":  # a managed parameter: what stays of it on the device
+        if "resident_bytes" in zmeta:  # a managed parameter or a fetched shard: its device bytes
             b_size.append((int(zmeta["resident_bytes"]), sympy.Integer(int(zmeta["resident_bytes"]))))
         else:
             b_size.append(storage_nbytes(t))

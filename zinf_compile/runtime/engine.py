@@ -322,6 +322,11 @@ class OffloadEngine:
         self._run_chunks(self._write_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_written"] += t.numel() * t.element_size()
 
+    def submit_read(self, fd: int, t: torch.Tensor, offset: int = 0) -> list[Future]:
+        """Start reading the file from `offset` into t; the futures complete the read."""
+        self.stats["bytes_read"] += t.numel() * t.element_size()
+        return self._submit_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
+
     def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
         """The file's bytes from `offset` into t (contiguous, on the CPU)."""
         self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)

@@ -5,6 +5,8 @@
     wait(h, engine, dtype, device, dim_order)          -> tensor   (the read is joined)
     gather(p)                                          -> tensor   (a managed parameter, whole)
     reduce_grad(g, pid)                                -> ()       (g into the gradient shard)
+    fetch(p)                                           -> handle   (p's shard read starts)
+    gather_from(p, h)                                  -> tensor   (gather, from the fetched shard)
 
 A handle is an int64 tensor shaped like the tensor it stands for, with all strides 0 (one element
 in memory): see engine.py.
@@ -23,6 +25,9 @@ _lib.define("wait(Tensor h, int engine, ScalarType dtype, Device device, int[] d
 # recompute it in the backward; reduce_grad returns nothing and must never be removed.
 _lib.define("gather(Tensor p) -> Tensor")
 _lib.define("reduce_grad(Tensor g, int pid) -> ()")
+# fetch starts reading a parameter's shard ahead of its gather; gather_from finishes it
+_lib.define("fetch(Tensor p) -> Tensor")
+_lib.define("gather_from(Tensor p, Tensor h) -> Tensor")
 
 
 def _fake_handle(shape) -> torch.Tensor:
@@ -86,10 +91,36 @@ def _reduce_grad_fake(g, pid):
     return None
 
 
+@torch.library.impl(_lib, "fetch", "CompositeExplicitAutograd")
+def _fetch(p):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.fetch(p)
+
+
+@torch.library.register_fake("zinf::fetch", lib=_lib)
+def _fetch_fake(p):
+    return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+@torch.library.impl(_lib, "gather_from", "CompositeExplicitAutograd")
+def _gather_from(p, h):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.gather_from(p, h)
+
+
+@torch.library.register_fake("zinf::gather_from", lib=_lib)
+def _gather_from_fake(p, h):
+    return torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
 offload = torch.ops.zinf.offload.default
 prefetch = torch.ops.zinf.prefetch.default
 wait = torch.ops.zinf.wait.default
 gather = torch.ops.zinf.gather.default
 reduce_grad = torch.ops.zinf.reduce_grad.default
+fetch = torch.ops.zinf.fetch.default
+gather_from = torch.ops.zinf.gather_from.default
 torch.fx.node.has_side_effect(reduce_grad)
-ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad)
+ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad, fetch, gather_from)

@@ -15,11 +15,14 @@ the graph a different tensor object over the same storage, never a different sto
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -143,7 +146,9 @@ class ParamStore:
         self._names: dict[int, str] = {}
         self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
         self._lock = threading.RLock()
-        self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0}
+        self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
+        self._tickets = itertools.count(1)
+        self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -229,9 +234,42 @@ class ParamStore:
         self.stats["bytes_gathered"] += e.nbytes
         return out
 
-    def full(self, e: Entry) -> torch.Tensor:
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """Start reading the shard of parameter `t` from its tier; the handle goes to gather_from.
+        The handle is a one-element int64 tensor whose storage (numpy-owned) ends the fetch if
+        the handle dies unused."""
+        e = self._require(t)
+        ticket = next(self._tickets)
+        buf, futures = None, []
+        if e.tier == "nvme":
+            buf = e._host_buffer()
+            futures = e.engine.submit_read(e.fd, buf)
+        with self._lock:
+            self._fetches[ticket] = (e, buf, futures)
+        cell = np.array([ticket], dtype=np.int64)
+        weakref.finalize(cell, self._fetches.pop, ticket, None)
+        self.stats["fetches"] += 1
+        return torch.from_numpy(cell)
+
+    def gather_from(self, t: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        """The whole parameter, from the shard a fetch started reading."""
+        e = self._require(t)
+        with self._lock:
+            fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
+        if fetched is None or fetched[0] is not e:
+            return self.gather(t)
+        _, buf, futures = fetched
+        t0 = time.perf_counter()
+        for f in futures:
+            f.result()
+        self.stats["fetch_waits_s"] += time.perf_counter() - t0
+        self.stats["gathers"] += 1
+        self.stats["bytes_gathered"] += e.nbytes
+        return self.full(e, shard=buf)
+
+    def full(self, e: Entry, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
-        shard = e.read_shard().to(e.device, non_blocking=True)
+        shard = (e.read_shard() if shard is None else shard).to(e.device, non_blocking=True)
         if e.world > 1:
             flat = torch.empty(e.shard_numel * e.world, dtype=e.dtype, device=e.device)
             dist.all_gather_into_tensor(flat, shard)
