@@ -30,10 +30,12 @@ def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_gra
             "requires_grad": requires_grad}
 
 
-def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict]):
+def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict],
+                          allreduce: list[int] = (), world: int = 1):
     """Partition a joint graph whose primals `managed` (primal index -> param_meta) are managed
     parameters: gathers in, partition (gathers recomputed in backward), gradients to reduce_grad,
-    gathers next to their uses. Returns (forward, backward, reports)."""
+    gathers next to their uses. The gradients of primals `allreduce` (resident parameters over
+    `world` > 1 ranks) are averaged over the ranks. Returns (forward, backward, reports)."""
     reports = []
     if managed:
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
@@ -47,7 +49,45 @@ def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs
         reports.append(SinkGathers()(bw.graph))
         for m in (fw, bw):
             m.recompile()
+    if allreduce and world > 1:
+        reports.append(AllReduceGrads()(bw.graph, list(allreduce), world))
+        bw.recompile()
     return fw, bw, reports
+
+
+@dataclass(frozen=True)
+class AllReduceGrads:
+    """Average the gradients of resident parameters over the ranks, in the graph, with torch's
+    functional collectives (which Inductor lowers and can overlap): all_reduce(sum) / world."""
+
+    name: str = "allreduce-grads"
+
+    def __call__(self, graph: fx.Graph, slots: list[int], world: int) -> PassReport:
+        from torch._guards import detect_fake_mode
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        group = _get_default_group().group_name
+        c10d = torch.ops._c10d_functional
+        out = next(iter(graph.find_nodes(op="output")))
+        outs = list(out.args[0])
+        changes = []
+        for i in slots:
+            g = outs[i]
+            if not isinstance(g, fx.Node):
+                continue
+            val = g.meta["val"]
+            with graph.inserting_before(out), detect_fake_mode([val]):
+                ar = graph.call_function(c10d.all_reduce.default, (g, "sum", group))
+                ar.meta["val"] = torch.empty_like(val)
+                w = graph.call_function(c10d.wait_tensor.default, (ar,))
+                w.meta["val"] = torch.empty_like(val)
+                d = graph.call_function(torch.ops.aten.div.Tensor, (w, world))
+                d.meta["val"] = torch.empty_like(val)
+            outs[i] = d
+            changes.append(f"all-reduce the gradient of primal {i} ({g.name})")
+        out.args = (tuple(outs),)
+        graph.lint()
+        return PassReport(self.name, tuple(changes), {"allreduces": len(changes)} if changes else {})
 
 
 def _fake_gather(p: fx.Node):
@@ -164,6 +204,7 @@ class PrefetchGathers:
         nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         gathers = sorted(graph.find_nodes(op="call_function", target=gather), key=pos.get)
+        last_placeholder = max((pos[n] for n in graph.find_nodes(op="placeholder")), default=0)
         changes = []
         floor = 0
         for g in gathers:
@@ -171,6 +212,7 @@ class PrefetchGathers:
             val = p.meta["val"]
             nbytes = int(val.numel()) * val.element_size()
             need, hidden, at = read_time(nbytes), 0.0, pos[g]
+            floor = max(floor, pos[p], last_placeholder)
             while at - 1 > floor and hidden < need:
                 at -= 1
                 if nodes[at].op == "call_function":

@@ -76,17 +76,23 @@ class Session:
     budget: int
     engine_key: int
     params: tuple[ParamInfo, ...] = ()
+    world: int = 1  # ranks in the default process group at compile time
 
     @staticmethod
     def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = ()) -> "Session":
         tier = cfg.tier_for(device)
+        from zinf_compile.runtime.params import world
+
+        n_world = world()[1]
         budget = cfg.budget if cfg.budget is not None else _free_device_memory(device)
+        if cfg.budget is None and n_world > 1:
+            budget = _agree_min(budget)  # every rank must make the same plan: the same collectives
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
             _pin_mmap_threshold(cfg.malloc_mmap_threshold)
-        return Session(cfg, device, tier, budget, key, params)
+        return Session(cfg, device, tier, budget, key, params, n_world)
 
     @property
     def engine(self):
@@ -122,7 +128,12 @@ class ZinfPartitioner(CustomPartitionerFn):
         s = self.session
         managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad)
                    for _, info in chosen}
-        fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed)
+        # over several ranks, the gradients of resident parameters are averaged as DDP does
+        chosen_ids = {info.index for _, info in chosen}
+        allreduce = [info.index for info in s.params if info.requires_grad and info.index not in chosen_ids] \
+            if s.world > 1 else []
+        fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed,
+                                                allreduce=allreduce, world=s.world)
         graphs = {"forward": fw, "backward": bw}
         if managed and s.tier == "nvme":
             # fetch shards ahead of their gathers; when that breaks the budget, gather just in time
@@ -275,6 +286,14 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
     from zinf_compile.runtime.params import world
 
     return -(-info.nbytes // world()[1])
+
+
+def _agree_min(value: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
