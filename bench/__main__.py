@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "memory": "bench.memory",
     "malloc": "bench.malloc",
+    "params": "bench.params",
 }
 
 

@@ -1,0 +1,344 @@
+"""Partitioned parameters, measured: memory per rank and step time with parameters, gradients and
+AdamW states on NVMe, against everything resident.
+
+    python -m bench params [--layers 6] [--hidden 4096] [--batch 512] [--budget 320MiB]
+                           [--steps 2] [--repeats 1] [--contenders resident,zinf-nvme,zinf-nvme-2r]
+
+An MLP of `layers` square Linear layers (GELU between, MSE loss) is trained with AdamW by each
+contender, each in fresh processes, alternately:
+
+    resident       torch.compile(model) (Inductor) + torch.optim.AdamW: everything in memory
+    zinf-nvme      backend="zinf", options={"budget": B, "offload": "nvme", "offload_dir": <tmp>}
+                   + zinf_compile.optimizer(model, AdamW): the planner shards parameters to NVMe
+                   because they do not fit; gradients and AdamW states live there too
+    zinf-nvme-2r   the same under torchrun --nproc-per-node 2 (gloo), the global batch split
+
+Memory: every process reads VmRSS after its imports, before the model exists (`base`), then builds,
+compiles and warms up (`held` = VmRSS then - base: compiled code and whatever the contender keeps
+resident between steps), resets VmHWM and runs the measured steps (`growth` = VmHWM - VmRSS after
+warm-up: the steps' working memory). Inductor's compile alone holds ~170 MiB on this machine, the
+same for both contenders, so the checks separate it out:
+  - zinf-nvme's growth <= 1.25 x budget, while parameters + gradients + AdamW states >= 4 x budget;
+  - zinf-nvme holds at least 90% of those states less than resident (`held`, same run): the model's
+    data is in the files, not in memory;
+  - per-rank shard bytes halve with 2 ranks.
+
+Speed: the step-time ratio zinf-nvme / resident (median of the measured steps, same run), and the
+bound max(compute, transfer): compute = the resident step time, transfer = the bytes zinf moved to
+and from its files per step / the read and write bandwidths measured in the same run, in the same
+folder (page cache included, as zinf sees it: files are not opened with O_DIRECT by default).
+
+Writes <out>/params.json and <out>/params.png; exits 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 2**20
+MARK = "BENCH-PARAMS-RESULT "
+CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r")
+LIMIT = 1.25
+STATE_FACTOR = 4.0
+DEFAULTS = dict(layers=6, hidden=4096, batch=512, steps=2, warmup=1, threads=2, seed=0, lr=1e-4)
+
+
+def _build(args):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(args.seed)
+    layers = []
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.GELU()]
+    model = nn.Sequential(*layers)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, args.hidden, generator=g)
+    y = torch.randn(args.batch, args.hidden, generator=g)
+    return model, x, y
+
+
+def worker(args) -> dict:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from bench import _rss
+
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    torch.set_num_threads(args.threads)
+    import zinf_compile  # noqa: F401  (imported before the baseline, like torch)
+
+    gc.collect()
+    _rss.trim()
+    base = _rss.rss()
+    model, x, y = _build(args)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if args.worker == "resident":
+        fn = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    else:
+        options = {"budget": args.budget, "offload": "nvme", "offload_dir": args.offload_dir}
+        fn = torch.compile(model, backend="zinf", options=options)
+        opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr)
+
+    def step() -> float:
+        loss = torch.nn.functional.mse_loss(fn(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    losses, warm = [], []
+    for _ in range(args.warmup):
+        t0 = time.perf_counter()
+        losses.append(step())
+        warm.append(time.perf_counter() - t0)
+    engines = _engine_bytes()
+    gc.collect()
+    after_warmup = _rss.baseline()  # trim, VmRSS, reset VmHWM
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    peak = _rss.hwm()
+    moved = {k: v - engines.get(k, 0) for k, v in _engine_bytes().items()}
+    from zinf_compile.runtime.params import STORE
+
+    result = dict(contender=args.worker, rank=rank, world=world, base=base, rss_after_warmup=after_warmup,
+                  peak=peak, peak_over_base=peak - base, step_s=times, warmup_s=warm, losses=losses,
+                  param_bytes=param_bytes, shard_bytes=sum(e.shard_nbytes for e in STORE.entries()),
+                  managed=len(STORE), moved_per_step={k: v / args.steps for k, v in moved.items()})
+    if args.worker != "resident":
+        plans = [p for p in zinf_compile.last_plans() if "forward" in p.graphs]
+        if plans:
+            p = plans[-1]
+            result["plan"] = dict(budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
+                                  lower_bound=p.lower_bound, actions=p.action_counts(), params=len(p.params))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _engine_bytes() -> dict:
+    from zinf_compile.runtime import engine
+
+    out = {"read": 0, "written": 0}
+    for e in engine._ENGINES.values():
+        out["read"] += e.stats["bytes_read"]
+        out["written"] += e.stats["bytes_written"]
+    return out
+
+
+def _bandwidth(folder: str, mib: int = 256) -> dict:
+    """Write then read `mib` MiB with positional I/O in 16 MiB chunks in `folder` (as zinf does)."""
+    import numpy as np
+
+    path = tempfile.mkdtemp(prefix="bw-", dir=folder)
+    f = os.path.join(path, "probe.bin")
+    data = np.random.default_rng(0).integers(0, 255, mib << 20, dtype=np.uint8)
+    chunk = 16 << 20
+    try:
+        fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o600)
+        t0 = time.perf_counter()
+        for off in range(0, len(data), chunk):
+            os.pwrite(fd, memoryview(data[off:off + chunk]), off)
+        w = len(data) / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for off in range(0, len(data), chunk):
+            os.preadv(fd, [memoryview(data[off:off + chunk])], off)
+        r = len(data) / (time.perf_counter() - t0)
+        os.close(fd)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"write_Bps": w, "read_Bps": r}
+
+
+def _run(name: str, args, env: dict) -> list[dict]:
+    tmp = tempfile.mkdtemp(prefix="zinf-bench-params-")
+    base = ["-m", "bench.params", "--worker", "zinf-nvme" if name.startswith("zinf") else name,
+            "--budget", args.budget, "--offload-dir", tmp]
+    for k in DEFAULTS:
+        base += [f"--{k}", str(getattr(args, k))]
+    if name.endswith("-2r"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--module", *base[1:]]
+    else:
+        cmd = [sys.executable, *base]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    left = [f for _, _, fs in os.walk(tmp) for f in fs]
+    shutil.rmtree(tmp, ignore_errors=True)
+    lines = [ln[ln.index(MARK) + len(MARK):] for ln in proc.stdout.splitlines() if MARK in ln]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
+    out = []
+    for ln in lines:
+        r = json.loads(ln)
+        r.update(contender=name, process_wall_s=wall, files_left=left)
+        out.append(r)
+    return out
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def parent(args) -> int:
+    from zinf_compile.units import parse_bytes
+
+    budget = parse_bytes(args.budget)
+    names = [n for n in args.contenders.split(",") if n]
+    for n in names:
+        if n not in CONTENDERS:
+            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    runs: list[dict] = []
+    bws = []
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
+            runs += _run(n, args, env)
+        bws.append(_bandwidth(tempfile.gettempdir()))
+    summary = {}
+    for n in names:
+        rs = [x for x in runs if x["contender"] == n]
+        summary[n] = dict(
+            ranks=max(x["world"] for x in rs),
+            growth_max=max(x["peak"] - x["rss_after_warmup"] for x in rs),
+            held_median=_median([x["rss_after_warmup"] - x["base"] for x in rs]),
+            peak_over_base_max=max(x["peak_over_base"] for x in rs),
+            peak_over_base_median=_median([x["peak_over_base"] for x in rs]),
+            step_s=_median([s for x in rs for s in x["step_s"]]),
+            shard_bytes_per_rank=_median([x["shard_bytes"] for x in rs]),
+            moved_per_step=_median([sum(x["moved_per_step"].values()) for x in rs]),
+            read_per_step=_median([x["moved_per_step"]["read"] for x in rs]),
+            written_per_step=_median([x["moved_per_step"]["written"] for x in rs]),
+            final_loss=rs[0]["losses"][-1], files_left=sorted({f for x in rs for f in x["files_left"]}),
+        )
+    params = runs[0]["param_bytes"]
+    states = 4 * params  # parameters + gradients + AdamW's two states, fp32
+    bw = {k: _median([b[k] for b in bws]) for k in ("read_Bps", "write_Bps")}
+    checks = {"states_vs_budget": states / budget, "states_at_least_4x_budget": states >= STATE_FACTOR * budget}
+    if "zinf-nvme" in summary:
+        z = summary["zinf-nvme"]
+        checks["zinf_growth_vs_budget"] = z["growth_max"] / budget
+        checks["zinf_growth_within_1.25x_budget"] = z["growth_max"] <= LIMIT * budget
+        if "resident" in summary:
+            saved = summary["resident"]["held_median"] - z["held_median"]
+            checks["held_saving_vs_states"] = saved / states
+            checks["zinf_holds_90pct_of_states_less"] = saved >= 0.9 * states
+        checks["zinf_left_no_files"] = not z["files_left"]
+        if "resident" in summary:
+            comp = summary["resident"]["step_s"]
+            transfer = z["read_per_step"] / bw["read_Bps"] + z["written_per_step"] / bw["write_Bps"]
+            checks["speed"] = dict(ratio_vs_resident=z["step_s"] / comp, compute_s=comp, transfer_s=transfer,
+                                   bound_s=max(comp, transfer), ratio_vs_bound=z["step_s"] / max(comp, transfer))
+    if "zinf-nvme" in summary and "zinf-nvme-2r" in summary:
+        one, two = summary["zinf-nvme"]["shard_bytes_per_rank"], summary["zinf-nvme-2r"]["shard_bytes_per_rank"]
+        checks["shard_bytes_2r_vs_1r"] = two / one if one else None
+        checks["shards_halve"] = bool(one) and abs(two / one - 0.5) < 0.01
+    ok = all(v for k, v in checks.items() if isinstance(v, bool))
+    record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), budget=budget,
+                  param_bytes=params, states_bytes=states, bandwidth=bw, summary=summary, checks=checks,
+                  runs=runs, ok=ok)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "params.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    _draw(summary, budget, states, os.path.join(args.out, "params.png"))
+    print(_table(summary, budget, states, bw, checks))
+    return 0 if ok else 1
+
+
+def _machine() -> dict:
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def _table(summary, budget, states, bw, checks) -> str:
+    lines = [f"budget {budget / MiB:.0f} MiB; parameters+gradients+AdamW states {states / MiB:.0f} MiB "
+             f"= {states / budget:.1f}x the budget; files: read {bw['read_Bps'] / 1e9:.2f} GB/s, "
+             f"write {bw['write_Bps'] / 1e9:.2f} GB/s",
+             f"{'contender':14} {'ranks':>5} {'peak-base MiB':>14} {'held MiB':>9} {'growth MiB':>11} "
+             f"{'x budget':>9} {'step s':>8} {'shard MiB/rank':>15} {'moved MiB/step':>15}"]
+    for n, s in summary.items():
+        lines.append(f"{n:14} {s['ranks']:>5} {s['peak_over_base_max'] / MiB:>14.0f} {s['held_median'] / MiB:>9.0f} "
+                     f"{s['growth_max'] / MiB:>11.0f} {s['growth_max'] / budget:>9.2f} {s['step_s']:>8.2f} "
+                     f"{s['shard_bytes_per_rank'] / MiB:>15.0f} {s['moved_per_step'] / MiB:>15.0f}")
+    sp = checks.get("speed")
+    if sp:
+        lines.append(f"zinf-nvme / resident step time {sp['ratio_vs_resident']:.2f}x; bound max(compute "
+                     f"{sp['compute_s']:.2f} s, transfer {sp['transfer_s']:.2f} s) = {sp['bound_s']:.2f} s; "
+                     f"zinf / bound {sp['ratio_vs_bound']:.2f}x")
+    lines.append("checks: " + ", ".join(f"{k}={v if not isinstance(v, float) else round(v, 3)}"
+                                        for k, v in checks.items() if k != "speed"))
+    return "\n".join(lines)
+
+
+def _draw(summary, budget, states, path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.0), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = list(summary)
+    held = [summary[n]["held_median"] / MiB for n in names]
+    growth = [summary[n]["growth_max"] / MiB for n in names]
+    ax.bar(names, held, color="#8d99ae", label="held between steps (compiled code, resident data)")
+    bars = ax.bar(names, growth, bottom=held, color="#2a9d8f", label="growth during the steps")
+    for b, h, g in zip(bars, held, growth):
+        ax.text(b.get_x() + b.get_width() / 2, h + g, f"+{g:.0f} MiB\n({g * MiB / budget:.2f}x budget)",
+                ha="center", va="bottom", fontsize=8)
+    vals = [h + g for h, g in zip(held, growth)]
+    ax.axhline(budget / MiB, color="#e76f51", lw=1.2, label=f"budget {budget / MiB:.0f} MiB")
+    ax.set_ylabel("peak RSS over the empty process, per rank (MiB)")
+    ax.set_title(f"params + grads + AdamW states {states / MiB:.0f} MiB = {states / budget:.1f}x budget", fontsize=9)
+    ax.set_ylim(0, max(vals + [LIMIT * budget / MiB]) * 1.25)
+    ax.legend(fontsize=8, loc="upper right", frameon=False)
+    fig.savefig(path + ".tmp", format="png")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench params", description=__doc__.split("\n")[0])
+    for k, v in DEFAULTS.items():
+        ap.add_argument(f"--{k}", type=type(v), default=v)
+    ap.add_argument("--budget", default="320MiB")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(MARK + json.dumps(worker(args)), flush=True)
+        return 0
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
