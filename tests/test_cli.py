@@ -90,3 +90,70 @@ def test_plan_for_a_gpu_target_frees_device_memory_with_the_cpu_tier(tmp_path, c
     assert plan.device == "cuda" and plan.tier == "cpu"
     assert plan.peak_after <= plan.budget < plan.peak_before
     assert not any("frees no memory" in n for n in plan.notes)
+
+
+# -- parameters (ZeRO-3) in the offline plan -------------------------------------------------------
+
+MLP_SMALL_BATCH = ["--arg", "batch=16"]  # 1 MiB of weights (4 x 256 KiB) against 16 KiB activations
+
+
+def test_plan_params_offload_writes_parameter_actions_and_report(tmp_path, capsys):
+    assert main(["plan", MLP, *MLP_SMALL_BATCH, "--params", "offload", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert [p.name for p in plan.params] == ["0.weight", "2.weight", "4.weight", "6.weight"]  # 8.weight: 1 KiB
+    assert all(p.tier == "nvme" and p.world == 1 and p.shard_nbytes == p.nbytes == 256 << 10 for p in plan.params)
+    counts = plan.action_counts()
+    assert counts["gather"] == counts["release"] >= 4 and counts["reduce"] == 4
+    assert counts.get("fetch", 0) >= 1  # NVMe shards are read ahead of their gathers
+    assert "managed parameters  4: 1.00 MiB whole" in out
+    assert f"parameter gathers   {counts['gather']} per step" in out
+    html = (tmp_path / "report.html").read_text()
+    table = html.split("<h2>Managed parameters</h2>")[1].split("<h2>")[0]
+    assert all(f"<td>{p.name}</td>" in table for p in plan.params)
+    assert (tmp_path / "lanes.png").stat().st_size > 0
+
+
+def test_plan_params_auto_manages_them_when_resident_does_not_fit(tmp_path, capsys):
+    assert main(["plan", MLP, *MLP_SMALL_BATCH, "--budget", "1MiB", "--out", str(tmp_path), "--no-report"]) == 0
+    captured = capsys.readouterr()
+    assert "parameters: all resident: needs 2.04 MiB > budget 1.00 MiB; then 4 of 10 managed" in captured.err
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert len(plan.params) == 4 and plan.peak_after <= plan.budget == 1 << 20
+    assert {"gather", "release", "reduce"} <= set(plan.action_counts())
+
+
+def test_plan_captured_resident_offload_and_fewest():
+    """One capture, planned per --params choice (what `zinf plan` does after capturing)."""
+    import pytest
+
+    from zinf_compile.capture import CapturedParam, _fewest, plan_captured, trace
+    from zinf_compile.cost import load_profile
+    from zinf_compile.errors import BudgetError
+
+    from mlp import build
+
+    c = trace(build, {"batch": 16}, keep_joint=True)
+    assert [p.name for p in c.params][:2] == ["0.weight", "0.bias"] and c.can_manage
+    prof = load_profile("cpu")
+    with pytest.raises(BudgetError):
+        plan_captured(c, 1 << 20, prof, "nvme", params="resident")
+    roomy = plan_captured(c, 1 << 30, prof, "nvme", params="auto")
+    assert not roomy.plan.params and roomy.tried == ("all resident",)
+    forced = plan_captured(c, 1 << 30, prof, "cpu", params="offload")  # the CPU tier: no fetches
+    assert len(forced.plan.params) == 4 and "fetch" not in forced.plan.action_counts()
+    assert c.graphs["forward"] is roomy.graphs["forward"]  # managing parameters left the capture alone
+    assert not any(n.meta.get("zinf") for n in c.joint.graph.nodes)
+
+    big = [CapturedParam(i, f"p{i}", n, True) for i, n in enumerate((100, 400, 300, 200))]
+    assert [p.name for p in _fewest(big, 250)] == ["p1", "p2"]  # 400 + 300, less the largest whole: 300
+    assert len(_fewest(big, 1000)) == len(big)  # short of all: auto goes straight to managing all
+
+
+def test_plan_inference_params_offload(tmp_path):
+    assert main(["plan", MLP, *MLP_SMALL_BATCH, "--inference", "--params", "offload", "--out", str(tmp_path),
+                 "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.graphs == ("inference",) and len(plan.params) == 4
+    counts = plan.action_counts()
+    assert counts["gather"] == counts["release"] == 4 and "reduce" not in counts

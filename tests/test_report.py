@@ -267,3 +267,156 @@ def test_plan_from_json_rejects_inconsistent_plans():
         _Plan.from_json({**good, "timeline_after": good["timeline_after"][:-1]})
     with _pytest.raises(ValueError, match="version"):
         _Plan.from_json({**good, "version": 99})
+
+
+# -- managed parameters (ZeRO-3): gather / release / reduce / fetch actions, group = -1 - pid --------
+
+
+def make_param_plan(n_params: int = 2, n_steps: int = 40, fetch: bool = True, world: int = 1,
+                    n_groups: int = 1) -> Plan:
+    """make_plan plus `n_params` managed parameters: parameter i is gathered in the forward at
+    step 2i+1 (its shard fetched two steps ahead) and released a step later, gathered again in the
+    mirrored backward step, and its gradient reduced two steps after that."""
+    from zinf_compile.plan import ManagedParam
+
+    base = make_plan(n_steps=n_steps, n_groups=n_groups)
+    half = n_steps // 2
+    tensors, actions, params = list(base.tensors), list(base.actions), []
+    tid = max(t.id for t in tensors) + 1
+    for pid in range(n_params):
+        nbytes = (pid + 1) * 64 * 1024
+        params.append(ManagedParam(pid, f"layers.{pid}.weight", nbytes, -(-nbytes // world), "nvme", world))
+        g = -1 - pid
+        f_at = (2 * pid + 1) % (half - 2)
+        b_at = n_steps - 4 - f_at
+        for at, graph in ((f_at, "forward"), (b_at, "backward")):
+            tensors.append(TensorLife(id=tid, name=f"gather_{tid}", graph=graph, role="activation",
+                                      nbytes=nbytes, size_expr=str(nbytes), shape="[256, 64]",
+                                      dtype="float32", def_step=at, use_steps=(at + 1,), movable=False))
+            if fetch and at >= 2:
+                actions.append(Action("fetch", tid + 1000, at - 2, "nvme", -(-nbytes // world), g))
+                tensors.append(TensorLife(id=tid + 1000, name=f"fetch_{tid}", graph=graph, role="activation",
+                                          nbytes=8, size_expr="8", shape="[1]", dtype="int64",
+                                          def_step=at - 2, use_steps=(at,), movable=False))
+            actions += [Action("gather", tid, at, "nvme", nbytes, g),
+                        Action("release", tid, at + 1, "nvme", nbytes, g)]
+            tid += 1
+        actions.append(Action("reduce", tid - 1, b_at + 2, "nvme", nbytes, g))
+    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
+    return Plan(**{**base.__dict__, "tensors": tuple(sorted(tensors, key=lambda t: t.id)),
+                   "actions": tuple(actions), "params": tuple(params)})
+
+
+def test_param_plan_round_trips_and_pairs_gathers_with_releases() -> None:
+    from zinf_compile.report.common import param_spans, param_uses
+
+    plan = make_param_plan()
+    assert Plan.from_json(json.loads(plan.dumps())) == plan
+    assert plan.moves() and all(a.group >= 0 for a in plan.moves())
+    spans = param_spans(plan)
+    assert [(s.name, s.graph, s.gather, s.release) for s in spans] == [
+        ("layers.0.weight", "forward", 1, 2), ("layers.1.weight", "forward", 3, 4),
+        ("layers.1.weight", "backward", 33, 34), ("layers.0.weight", "backward", 35, 36)]
+    assert [s.fetch for s in spans] == [None, 1, 31, 33]  # layer 0's forward gather at step 1: no room
+    uses = param_uses(plan)
+    assert [(u.param.name, u.gathers, u.reduces) for u in uses] == [
+        ("layers.0.weight", (1, 35), (37,)), ("layers.1.weight", (3, 33), (35,))]
+
+
+def test_lanes_show_parameter_lanes_and_spans(tmp_path) -> None:
+    from zinf_compile.report.lanes import ACTIVATION_LANES, lane_figure, lane_kinds
+
+    plan = make_param_plan()
+    assert lane_kinds(plan) == ["offload", "prefetch", "wait", "fetch", "gather", "release", "reduce"]
+    _png(draw_lanes(plan, str(tmp_path / "l.png")))
+    fig = lane_figure(plan)
+    lanes, away, whole, compute = fig.axes[:4]
+    assert [t.get_text() for t in lanes.get_yticklabels()] == [
+        "offload (1)", "prefetch (1)", "wait (1)", "fetch (3)", "gather (4)", "release (4)", "reduce (2)"]
+    assert whole.get_ylabel() == "whole"
+    assert [t.get_text() for t in whole.get_yticklabels()] == ["layers.0.weight 64.00 KiB",
+                                                               "layers.1.weight 128.00 KiB"]
+    bars, reads = whole.collections[:2]
+    assert len(bars.get_segments()) == 4 and len(reads.get_segments()) == 3  # whole; fetch -> gather
+    legend = [t.get_text() for t in whole.get_legend().get_texts()]
+    assert legend == ["whole, shard on nvme", "fetch → gather", "gradient reduced"]
+    assert "2 parameters managed" in fig._suptitle.get_text()
+
+    # no parameters: the three axes and three lanes as before
+    fig = lane_figure(make_plan())
+    assert len(fig.axes) == 3 and lane_kinds(make_plan()) == ACTIVATION_LANES
+
+
+def test_lanes_with_many_parameters_draw_unnamed_rows(tmp_path) -> None:
+    from zinf_compile.report.lanes import PARAM_ROWS_UP_TO, lane_figure
+
+    n = PARAM_ROWS_UP_TO + 10
+    plan = make_param_plan(n_params=n, n_steps=400, fetch=False)
+    whole = lane_figure(plan).axes[2]
+    assert not [t.get_text() for t in whole.get_yticklabels() if t.get_text()]
+    assert any(f"{n} parameters" in t.get_text() for t in whole.texts)
+    _png(draw_lanes(plan, str(tmp_path / "l.png")))
+
+
+def test_summary_dot_and_report_list_managed_parameters(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(html_mod, "render_svg", lambda dot, svg: None)
+    plan = make_param_plan(world=4)
+    rows = dict(summary_rows(plan))
+    assert rows["actions"] == "offload 1, prefetch 1, wait 1, fetch 3, gather 4, release 4, reduce 2"
+    assert rows["offloaded tensors"] == "1"  # the parameters' actions are no offload groups
+    assert rows["managed parameters"] == "2: 192.00 KiB whole, 48.00 KiB of shards per rank of 4 in nvme"
+    assert rows["parameter gathers"] == ("4 per step, 96.00 KiB read from nvme (384.00 KiB whole after the "
+                                         "all-gather), 3 of them fetched ahead")
+    assert rows["gradient reduces"] == "2 per step, into the shards in nvme"
+    assert "managed parameters" not in dict(summary_rows(make_plan()))
+
+    dot = open(write_dot(plan, str(tmp_path / "g.dot"))).read()
+    # a step with only parameter actions is outlined in the gather colour, one with an offload in red
+    assert re.search(r's33 \[label="33: op_33\\naten.mm.default\\n[^"]*\\nfetch, gather".*"#ff7f0e"', dot)
+    assert re.search(r's1 \[label="1: op_1\\n[^"]*\\nfetch, gather, offload".*"#d62728"', dot)
+
+    files = write_report(plan, str(tmp_path / "out"))
+    html = open(files["html"], encoding="utf-8").read()
+    table = html.split("<h2>Managed parameters</h2>")[1].split("<h2>")[0]
+    assert "sharded over 4 ranks, the shards in nvme" in table
+    assert table.index("layers.1.weight") < table.index("layers.0.weight")  # largest first
+    assert "<td>layers.0.weight</td><td class=\"num\">64.00 KiB</td><td class=\"num\">16.00 KiB</td>" \
+           "<td>nvme</td><td class=\"num\">2</td>" in table
+    assert "at the gather, 2 steps ahead (step 33)" in table  # layer 0: forward, then backward
+    assert "no parameter is managed" in open(write_report(make_plan(), str(tmp_path / "o2"))["html"]).read()
+
+
+@pytest.fixture(scope="module")
+def compiled_param_plan(offload_root):
+    """A real compile that manages the parameters of a tiny MLP (both weights are 64 KiB)."""
+    import torch
+
+    import zinf_compile
+
+    torch._dynamo.reset()
+    zinf_compile.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "report")}
+    torch.compile(model, backend="zinf", options=opts)(torch.randn(8, 64)).sum().backward()
+    plans = [r.plan for r in zinf_compile.compiles() if "backward" in r.plan.graphs]
+    del model
+    return plans[-1]
+
+
+def test_report_of_a_compile_that_manages_parameters(tmp_path, monkeypatch, compiled_param_plan) -> None:
+    from zinf_compile.report.lanes import lane_figure
+
+    monkeypatch.setattr(html_mod, "render_svg", lambda dot, svg: None)
+    plan = compiled_param_plan
+    assert {p.name for p in plan.params} == {"0.weight", "2.weight"}
+    counts = plan.action_counts()
+    assert counts["gather"] == counts["release"] >= 3 and counts["reduce"] == 2
+    files = write_report(plan, str(tmp_path))
+    _png(files["lanes"])
+    whole = lane_figure(plan).axes[2]
+    assert {t.get_text().split()[0] for t in whole.get_yticklabels()} == {"0.weight", "2.weight"}
+    html = open(files["html"], encoding="utf-8").read()
+    table = html.split("<h2>Managed parameters</h2>")[1].split("<h2>")[0]
+    assert "<td>0.weight</td>" in table and "<td>2.weight</td>" in table
+    assert "managed parameters" in html.split("<h2>Summary</h2>")[1].split("<h2>")[0]

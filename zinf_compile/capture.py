@@ -2,11 +2,13 @@
 `zinf plan` can plan a 7B-parameter model on a laptop without allocating a byte of it."""
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import os
 import sys
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -67,25 +69,98 @@ def _loss_of(out) -> torch.Tensor:
     raise ZinfConfigError(f"cannot derive a loss from a model output of type {type(out).__name__}")
 
 
+@dataclass(frozen=True)
+class CapturedParam:
+    """A model parameter among the joint graph's primals, as plain values."""
+
+    index: int  # position among the primals (the model's parameters come first, in order)
+    name: str  # the model's name for it, e.g. "blocks.0.fc.weight"
+    nbytes: int
+    requires_grad: bool
+
+
+@dataclass
+class Captured:
+    """What `trace` captured: the graphs as a real compile partitions them with every parameter
+    resident and, to plan again with managed parameters, (training, when asked) the joint graph."""
+
+    graphs: dict[str, fx.GraphModule]
+    num_fwd_outputs: int
+    params: tuple[CapturedParam, ...] = ()  # empty when the graph's inputs do not line up with them
+    joint: fx.GraphModule | None = None  # untouched by any partition; `partition` copies it
+    joint_inputs: Any = None
+    partition_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def can_manage(self) -> bool:
+        """Whether `partition` can manage parameters (inference, or training with the joint kept)."""
+        return bool(self.params) and ("inference" in self.graphs or self.joint is not None)
+
+    def partition(self, managed: dict[int, dict]) -> tuple[dict[str, fx.GraphModule], list]:
+        """The graphs with the parameters in `managed` (input index -> param_meta) managed, as the
+        backend does: gathered before use (training: again in backward, and gradients reduced into
+        their shards). Fresh graphs each call. Returns (graphs, the parameter passes' reports)."""
+        from zinf_compile.passes.params import InsertGathers, partition_with_params
+        from zinf_compile.runtime import ops  # noqa: F401  (registers the zinf:: ops)
+
+        if not managed:
+            return self.graphs, []
+        if not self.can_manage:
+            raise ZinfConfigError("this capture kept no joint graph to manage parameters in: "
+                                  "trace(..., keep_joint=True)")
+        if "inference" in self.graphs:
+            gm = _copy(self.graphs["inference"])
+            inputs = list(gm.graph.find_nodes(op="placeholder"))
+            report = InsertGathers()(gm.graph, {inputs[i]: m for i, m in managed.items()}, recompute=False)
+            gm.recompile()
+            return {"inference": gm}, [report]
+        fw, bw, reports = partition_with_params(_partition_fn, _copy(self.joint), self.joint_inputs,
+                                                dict(self.partition_kwargs), managed)
+        return {"forward": fw, "backward": bw}, reports
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    with warnings.catch_warnings():  # torch's pytree warns about its own specs while they are copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm)
+
+
+def _partition_fn(joint, joint_inputs, **kw):
+    """min-cut as a real compile; torch's default split when the solver fails."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    try:
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+    except Exception as e:  # the min-cut solver can fail on unusual graphs: plan the default split
+        warnings.warn(f"zinf plan: the min-cut partitioner failed ({e}); planning torch's default "
+                      f"partition instead, which saves more for backward than a real compile would")
+        return default_partition(joint, joint_inputs, **kw)
+
+
 def capture(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool = False):
     """Build the model under FakeTensorMode and trace it. Returns (graphs by role, num_fwd_outputs).
 
     Training: the joint graph of the loss goes through the default partitioner, as in a real
     compile, and the forward/backward pair comes back. Inference: the forward graph alone.
     """
+    c = trace(factory, kwargs, inference=inference)
+    return c.graphs, c.num_fwd_outputs
+
+
+def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool = False,
+          keep_joint: bool = False) -> Captured:
+    """`capture`, keeping what planning with managed parameters needs: the parameters' names and
+    sizes and, with `keep_joint` (training), a copy of the joint graph to partition again."""
     from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     graphs: dict[str, fx.GraphModule] = {}
     nfo: list[int] = []
+    kept: dict[str, Any] = {}
 
     def partition(joint, joint_inputs, **kw):
-        try:
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
-        except Exception as e:  # the min-cut solver can fail on unusual graphs: plan the default split
-            warnings.warn(f"zinf plan: the min-cut partitioner failed ({e}); planning torch's default "
-                          f"partition instead, which saves more for backward than a real compile would")
-            fw, bw = default_partition(joint, joint_inputs, **kw)
+        if keep_joint:
+            kept.update(joint=_copy(joint), joint_inputs=joint_inputs, partition_kwargs=dict(kw))
+        fw, bw = _partition_fn(joint, joint_inputs, **kw)
         graphs["forward"], graphs["backward"] = fw, bw
         nfo.append(kw["num_fwd_outputs"])
         return fw, bw
@@ -105,6 +180,8 @@ def capture(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool
         k = len(named)
         if inference:
             model.requires_grad_(False)
+        params = tuple(CapturedParam(i, n, p.numel() * p.element_size(), p.requires_grad)
+                       for i, (n, p) in enumerate(model.named_parameters()))
 
         def run(*args):
             out = torch.func.functional_call(model, dict(zip(names, args[:k])), args[k:])
@@ -119,4 +196,138 @@ def capture(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool
             compiled = aot_function(run, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
                                     partition_fn=partition, num_params_buffers=k)
             compiled(*[t for _, t in named], *inputs)
-    return graphs, (nfo[0] if nfo else -1)
+    if kept or inference:
+        params = _checked(params, kept["joint"] if kept else graphs["inference"])
+    return Captured(graphs, nfo[0] if nfo else -1, params, **kept)
+
+
+def _checked(params: tuple[CapturedParam, ...], gm: fx.GraphModule) -> tuple[CapturedParam, ...]:
+    """The parameters, if the graph's inputs are the model's parameters first and in order (by
+    size); none otherwise (AOT deduplicated some), and then no parameter can be managed."""
+    primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    for p in params:
+        val = primals[p.index].meta.get("val") if p.index < len(primals) else None
+        if not isinstance(val, torch.Tensor) or val.numel() * val.element_size() != p.nbytes:
+            warnings.warn("zinf plan: the traced graph's inputs do not line up with the model's parameters; "
+                          "planning with every parameter resident")
+            return ()
+    return params
+
+
+# -- parameters (ZeRO-3) in the offline plan ---------------------------------------------------------
+
+
+PARAM_MODES = ("auto", "offload", "resident")  # as the backend's `params` option
+
+
+@dataclass(frozen=True)
+class OfflinePlan:
+    facts: Any
+    plan: Any
+    graphs: dict[str, fx.GraphModule]
+    managed: tuple[CapturedParam, ...]  # the parameters the plan manages
+    tried: tuple[str, ...]  # each choice tried, the last the plan's: "all resident: needs ..", "4 of 10 managed"
+
+
+def plan_captured(c: Captured, budget: int, profile, tier: str, params: str = "auto",
+                  device: str = "cpu") -> OfflinePlan:
+    """Plan a capture as the backend's partitioner would: `params` "resident" keeps every parameter
+    on the device; "offload" manages every parameter of PERSIST_BYTES or more; "auto" tries
+    resident, then the fewest (largest first) that close the shortfall, then all of them."""
+    from zinf_compile.backend import PERSIST_BYTES
+    from zinf_compile.errors import BudgetError
+    from zinf_compile.units import format_bytes
+
+    if params not in PARAM_MODES:
+        raise ZinfConfigError(f"params: expected one of {', '.join(PARAM_MODES)}, got {params!r}")
+    big = [p for p in c.params if p.nbytes >= PERSIST_BYTES] if c.can_manage else []
+    if params == "offload":
+        tries: list = [big]
+    elif params == "resident" or not big:
+        tries = [[]]
+    else:
+        tries = [[], None, big]
+    tried: list[str] = []
+    err: BudgetError | None = None
+    for i, chosen in enumerate(tries):
+        if chosen is None:  # the fewest parameters, largest first, that free the shortfall
+            chosen = _fewest(big, max(err.lower_bound, err.best_peak) - err.budget)
+            if len(chosen) == len(big):
+                continue
+        try:
+            return _plan_with(c, chosen, budget, profile, tier, device, tried)
+        except BudgetError as e:
+            tried.append(f"{_what(chosen, len(c.params))}: needs {format_bytes(max(e.lower_bound, e.best_peak))} "
+                         f"> budget {format_bytes(e.budget)}")
+            if i == len(tries) - 1:
+                raise
+            err = e
+    raise err  # pragma: no cover  (the last try raises)
+
+
+def _fewest(big: list[CapturedParam], need: int) -> list[CapturedParam]:
+    """As the backend: largest first until what they free, less the largest (gathered whole at
+    some point), covers `need`."""
+    chosen: list[CapturedParam] = []
+    for p in sorted(big, key=lambda p: (-p.nbytes, p.index)):
+        have = sum(x.nbytes for x in chosen) - max((x.nbytes for x in chosen), default=0)
+        if have >= need:
+            break
+        chosen.append(p)
+    return sorted(chosen, key=lambda p: p.index)
+
+
+def _what(chosen: list[CapturedParam], n_params: int) -> str:
+    return "all resident" if not chosen else f"{len(chosen)} of {n_params} managed"
+
+
+def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, device, tried) -> OfflinePlan:
+    """Plan one choice of managed parameters; with NVMe shards, fetched ahead of their gathers
+    first and, when that breaks the budget, gathered just in time (as the backend)."""
+    from zinf_compile.config import tier_frees_device
+    from zinf_compile.errors import BudgetError
+    from zinf_compile.passes.params import param_meta
+    from zinf_compile.pipeline import plan_graphs
+    from zinf_compile.planner import managed_params, with_param_actions
+
+    frees = tier_frees_device(tier, profile.device)  # planned for the target, as plan_graphs does
+    managed = {p.index: param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad)
+               for p in chosen}
+    graphs, _ = c.partition(managed)
+    what = _what(chosen, len(c.params))
+
+    def finish(graphs):
+        facts, plan = plan_graphs(graphs, c.num_fwd_outputs, budget, profile, tier, device=device)
+        mp = managed_params(graphs.values(), 1)
+        if mp:
+            plan = with_param_actions(plan, facts, mp)
+        return OfflinePlan(facts, plan, graphs, tuple(chosen), (*tried, what))
+
+    if managed and tier == "nvme":
+        trial = {k: _copy(m) for k, m in graphs.items()}
+        _prefetch_gathers(trial, tier, profile)
+        try:
+            return finish(trial)
+        except BudgetError:
+            tried.append(f"{what}, fetched ahead: over budget")
+    return finish(graphs)
+
+
+def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:
+    """As the backend: NVMe shards' reads start ahead of their gathers, as far as the cost model
+    says hides them (one rank offline)."""
+    if tier != "nvme":
+        return []  # a CPU-tier shard is already in host memory: nothing to start early
+    from zinf_compile.config import tier_frees_device
+    from zinf_compile.cost import step_cost
+    from zinf_compile.passes.params import PrefetchGathers
+
+    cost = step_cost(profile)
+    frees = tier_frees_device("cpu", profile.device)  # the fetched shard lands in host memory
+    reports = []
+    for gm in graphs.values():
+        reports.append(PrefetchGathers()(gm.graph, lambda n: cost(n)[1],
+                                         lambda b: profile.transfer_time(b, "nvme", "in"),
+                                         lambda b: 0 if frees else b))
+        gm.recompile()
+    return reports

@@ -15,11 +15,10 @@ def _progress(msg: str) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from zinf_compile.capture import capture, load_factory, parse_args
+    from zinf_compile.capture import load_factory, parse_args, plan_captured, trace
     from zinf_compile.cost import load_profile
-    from zinf_compile.pipeline import plan_graphs
     from zinf_compile.report import summary_rows, write_report
-    from zinf_compile.units import parse_bytes
+    from zinf_compile.units import format_bytes, parse_bytes
 
     t0 = time.perf_counter()
     profile = load_profile(args.target, "cpu")
@@ -27,23 +26,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tier = args.offload if args.offload != "auto" else ("nvme" if profile.device == "cpu" else "cpu")
     factory = load_factory(args.factory)
     kwargs = parse_args(args.arg or [])
+    params = args.params
     _progress(f"capturing {args.factory} {kwargs} under FakeTensorMode ({'inference' if args.inference else 'training'})")
-    graphs, nfo = capture(factory, kwargs, inference=args.inference)
+    captured = trace(factory, kwargs, inference=args.inference, keep_joint=params != "resident")
     t1 = time.perf_counter()
-    n_nodes = sum(len(g.graph.nodes) for g in graphs.values())
-    _progress(f"captured {n_nodes} nodes in {t1 - t0:.1f} s; planning for {args.target}, budget {args.budget or 'capacity'}")
-    facts, plan = plan_graphs(graphs, nfo, budget, profile, tier, device="cpu")
+    n_nodes = sum(len(g.graph.nodes) for g in captured.graphs.values())
+    _progress(f"captured {n_nodes} nodes in {t1 - t0:.1f} s; planning for {args.target}, budget "
+              f"{args.budget or 'capacity'}, parameters {params}")
+    result = plan_captured(captured, budget, profile, tier, params=params, device="cpu")
+    plan = result.plan
+    if len(result.tried) > 1:
+        _progress("parameters: " + "; then ".join(result.tried))
     t2 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     plan_path = os.path.join(args.out, "plan.json")
     plan.save(plan_path)
     files = write_report(plan, args.out, title=f"zinf plan: {args.factory} {kwargs}") if not args.no_report else {}
     t3 = time.perf_counter()
-    width = max(len(k) for k, _ in summary_rows(plan))
-    for k, v in summary_rows(plan):
+    rows = summary_rows(plan)
+    if not plan.params:
+        total = sum(p.nbytes for p in captured.params)
+        rows.append(("managed parameters", f"none ({len(captured.params)} parameters, {format_bytes(total)}, "
+                                           "stay resident)"))
+    rows.append(("planning time", f"{t2 - t1:.2f} s for {len(plan.steps)} steps "
+                                  f"(capture {t1 - t0:.1f} s, report {t3 - t2:.1f} s)"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
         print(f"  {k:<{width}}  {v}")
-    print(f"  {'planning time':<{width}}  {t2 - t1:.2f} s for {len(plan.steps)} steps "
-          f"(capture {t1 - t0:.1f} s, report {t3 - t2:.1f} s)")
     print(f"wrote {plan_path}" + (f" and {files['html']}" if files else ""))
     return 0
 
@@ -88,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", help="device memory budget, e.g. 2GiB (default: the target's capacity)")
     pl.add_argument("--target", default="cpu", help="device profile: cpu, h100-80gb, h200, or a JSON path")
     pl.add_argument("--offload", default="auto", choices=["auto", "cpu", "nvme"])
+    pl.add_argument("--params", default="auto", choices=["auto", "offload", "resident"],
+                    help="parameters (ZeRO-3): 'auto' manages them when the plan does not fit with them resident "
+                         "(largest first, then all), 'offload' always (those of 64 KiB or more), 'resident' never")
     pl.add_argument("--inference", action="store_true", help="plan the forward alone, without gradients")
     pl.add_argument("--out", default=".", help="where plan.json and report.html go (default: here)")
     pl.add_argument("--no-report", action="store_true", help="write plan.json only")

@@ -1,9 +1,10 @@
-"""What the pictures, the graph and the HTML share: phases of the timeline and offload groups."""
+"""What the pictures, the graph and the HTML share: phases of the timeline, offload groups and the
+managed parameters' gathers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zinf_compile.plan import Action, Plan
+from zinf_compile.plan import Action, ManagedParam, Plan
 
 GRAPH_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "inference": "#55a868"}
 OTHER_COLOR = "#8c8c8c"
@@ -89,3 +90,94 @@ def counts_text(plan: Plan, kinds: list[str]) -> str:
     counts = plan.action_counts()
     order = [k for k in kinds if k in counts] + sorted(k for k in counts if k not in kinds)
     return ", ".join(f"{k} {counts[k]}" for k in order) or "none"
+
+
+# -- managed parameters (ZeRO-3): actions with group = -1 - pid -----------------------------------
+
+PARAM_KINDS = ("fetch", "gather", "release", "reduce")
+
+
+@dataclass(frozen=True)
+class ParamSpan:
+    """One gather of a managed parameter: whole on the device from `gather` to `release`; its
+    shard's read started at `fetch` when the plan fetches it ahead (None: read at the gather)."""
+
+    pid: int
+    name: str
+    tier: str
+    nbytes: int
+    tensor: int  # the gathered tensor's TensorLife.id
+    graph: str  # the graph of the gather step
+    gather: int
+    release: int
+    fetch: int | None = None
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """A managed parameter and where the plan gathers, releases and reduces it."""
+
+    param: ManagedParam
+    fetches: tuple[int, ...]
+    gathers: tuple[int, ...]
+    releases: tuple[int, ...]
+    reduces: tuple[int, ...]
+
+
+def pid_of(a: Action) -> int:
+    return -1 - a.group
+
+
+def param_actions(plan: Plan) -> tuple[Action, ...]:
+    """The managed parameters' actions (gather/release/reduce: group < 0)."""
+    return tuple(a for a in plan.actions if a.group < 0)
+
+
+def _param_by_pid(plan: Plan) -> dict[int, ManagedParam]:
+    """The plan's managed parameters by id; a parameter with actions but no entry gets a stand-in."""
+    out = {p.pid: p for p in plan.params}
+    for a in param_actions(plan):
+        pid = pid_of(a)
+        if pid not in out:
+            out[pid] = ManagedParam(pid, f"param {pid}", a.nbytes, a.nbytes, a.tier, 1)
+    return out
+
+
+def param_spans(plan: Plan) -> list[ParamSpan]:
+    """Each gather with its release (the same gathered tensor) and the fetch that started its read
+    (the parameter's latest fetch before it, not after its previous gather), in gather order.
+    A gather without a release lasts to the end of its graph."""
+    params = _param_by_pid(plan)
+    releases: dict[tuple[int, int], list[int]] = {}
+    fetches: dict[int, list[int]] = {}
+    for a in param_actions(plan):
+        if a.kind == "release":
+            releases.setdefault((a.group, a.tensor), []).append(a.step)
+        elif a.kind == "fetch":
+            fetches.setdefault(a.group, []).append(a.step)
+    graph_end = {i: seg.stop - 1 for seg in segments(plan) for i in range(seg.start, seg.stop)}
+    out = []
+    last_gather: dict[int, int] = {}
+    for a in sorted((a for a in param_actions(plan) if a.kind == "gather"), key=lambda a: (a.step, a.group)):
+        rel = [r for r in releases.get((a.group, a.tensor), ()) if r >= a.step]
+        end = min(rel) if rel else graph_end.get(a.step, a.step)
+        ahead = [f for f in fetches.get(a.group, ()) if last_gather.get(a.group, -1) < f <= a.step]
+        last_gather[a.group] = a.step
+        p = params[pid_of(a)]
+        graph = plan.steps[a.step].graph if 0 <= a.step < len(plan.steps) else "?"
+        out.append(ParamSpan(p.pid, p.name, a.tier, a.nbytes, a.tensor, graph, a.step, end,
+                             max(ahead) if ahead else None))
+    out.sort(key=lambda s: (s.gather, s.pid))
+    return out
+
+
+def param_uses(plan: Plan) -> list[ParamUse]:
+    """The managed parameters (the plan's own list, plus any that only actions name), by id."""
+    steps: dict[int, dict[str, list[int]]] = {}
+    for a in param_actions(plan):
+        steps.setdefault(pid_of(a), {}).setdefault(a.kind, []).append(a.step)
+    out = []
+    for pid, p in sorted(_param_by_pid(plan).items()):
+        k = steps.get(pid, {})
+        out.append(ParamUse(p, *(tuple(sorted(k.get(kind, ()))) for kind in PARAM_KINDS)))
+    return out

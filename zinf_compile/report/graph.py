@@ -7,11 +7,12 @@ import shutil
 import subprocess
 
 from zinf_compile.plan import Plan, TensorLife
-from zinf_compile.report.common import Group, graph_color, groups
+from zinf_compile.report.common import PARAM_KINDS, Group, graph_color, groups
 from zinf_compile.report.units import format_bytes, format_seconds
 
 OFFLOAD_EDGE_COLOR = "#d62728"
 ACTION_NODE_COLOR = "#d62728"
+PARAM_NODE_COLOR = "#ff7f0e"  # steps with only a managed parameter's actions (gather/release/reduce)
 # Past this many nodes, draw straight edges and cap graphviz's network-simplex passes: spline
 # routing of the long forward -> backward edges takes dot minutes on a few hundred nodes.
 FAST_LAYOUT_NODES = 60
@@ -63,7 +64,8 @@ def _step_node(plan: Plan, i: int, acted: dict[int, list[str]]) -> str:
     extra = {}
     if i in acted:
         label += "\n" + ", ".join(acted[i])
-        extra = {"color": ACTION_NODE_COLOR, "penwidth": "2"}
+        param_only = all(k in PARAM_KINDS for k in acted[i])
+        extra = {"color": PARAM_NODE_COLOR if param_only else ACTION_NODE_COLOR, "penwidth": "2"}
     return f"s{i} " + _attrs(label=label, tooltip=f"step {s.index}: {s.op}", **extra) + ";"
 
 

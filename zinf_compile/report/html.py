@@ -7,7 +7,7 @@ import re
 from html import escape
 
 from zinf_compile.plan import Plan
-from zinf_compile.report.common import Group, groups
+from zinf_compile.report.common import Group, ParamUse, groups, param_spans, param_uses
 from zinf_compile.report.graph import render_svg, write_dot
 from zinf_compile.report.lanes import draw_lanes
 from zinf_compile.report.summary import summary_rows
@@ -66,9 +66,11 @@ def render_html(plan: Plan, files: dict[str, str], title: str) -> str:
         "<h2>Memory timeline</h2>",
         _img(files["timeline"], "device memory over the steps, before and after the plan"),
         "<h2>Actions</h2>",
-        _img(files["lanes"], "offload, prefetch and wait actions over the steps"),
+        _img(files["lanes"], "offload, prefetch, wait, gather, release and reduce actions over the steps"),
         "<h2>Offloaded tensors</h2>",
         _tensor_table(plan),
+        "<h2>Managed parameters</h2>",
+        _param_table(plan),
         "<h2>Graph</h2>",
         _graph(files),
         "</body></html>",
@@ -129,6 +131,67 @@ def _tensor_table(plan: Plan) -> str:
         rows.append(f'<tr><td colspan="{len(head)}" class="more">... {more} more</td></tr>')
     header = "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
     return f"<table>{header}{''.join(rows)}</table>"
+
+
+def _param_table(plan: Plan) -> str:
+    """The managed parameters, largest first: sizes, home tier, and where each is gathered."""
+    uses: list[ParamUse] = param_uses(plan)
+    if not uses:
+        return '<p class="more">no parameter is managed: all stay resident on the device</p>'
+    whole: dict[int, int] = {}
+    for s in param_spans(plan):
+        whole[s.pid] = whole.get(s.pid, 0) + s.release - s.gather + 1
+    uses.sort(key=lambda u: (-u.param.nbytes, u.param.pid))
+    world = max(u.param.world for u in uses)
+    tiers = " and ".join(sorted({u.param.tier for u in uses}))
+    n = f'{len(uses)} parameter{"s" if len(uses) != 1 else ""}'
+    kept = (f"{n} sharded over {world} ranks, the shards in {tiers}" if world > 1 else
+            f"{n} kept in {tiers} (one rank: each shard is the whole parameter)")
+    intro = (f"<p>{escape(kept)}. Each is gathered whole from its tier before its uses (again in the "
+             "backward; an NVMe shard's read may start steps ahead, a fetch), released after the last, "
+             "and its gradient reduced into the shard.</p>")
+    fetched = {(s.pid, s.gather): s.fetch for s in param_spans(plan)}
+    head = ["parameter", "bytes", "shard", "tier", "gathers per step", "gathered before",
+            "fetched from the tier", "whole for (steps)", "gradient reduced after"]
+    rows = []
+    for u in uses[:MAX_TENSOR_ROWS]:
+        p = u.param
+        cells = [
+            escape(p.name),
+            f'<td class="num">{escape(format_bytes(p.nbytes))}</td>',
+            f'<td class="num">{escape(format_bytes(p.shard_nbytes))}</td>',
+            escape(p.tier),
+            f'<td class="num">{len(u.gathers)}</td>',
+            escape(", ".join(_step_in_graph(plan, s, +1) for s in u.gathers) or "—"),
+            escape(", ".join(_fetched(fetched.get((p.pid, g)), g) for g in u.gathers) or "—"),
+            f'<td class="num">{whole.get(p.pid, 0)}</td>',
+            escape(", ".join(_step_in_graph(plan, s, -1) for s in u.reduces) or "—"),
+        ]
+        rows.append("<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>"
+                                      for c in cells) + "</tr>")
+    more = len(uses) - MAX_TENSOR_ROWS
+    if more > 0:
+        rows.append(f'<tr><td colspan="{len(head)}" class="more">... {more} more</td></tr>')
+    header = "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+    return f'{intro}<table class="params">{header}{"".join(rows)}</table>'
+
+
+def _fetched(fetch: int | None, gather: int) -> str:
+    """When a gather's shard read starts: at the gather, or that many steps ahead."""
+    if fetch is None or fetch >= gather:
+        return "at the gather"
+    return f"{gather - fetch} steps ahead (step {fetch})"
+
+
+def _step_in_graph(plan: Plan, step: int, near: int) -> str:
+    """ "12 mm_3 (forward)": an action's step, named by its neighbour `near` steps away in the same
+    graph (a gather's next step is the op it gathers for; a reduce's previous, the gradient's)."""
+    if not 0 <= step < len(plan.steps):
+        return str(step)
+    here = plan.steps[step]
+    j = step + near
+    op = plan.steps[j] if 0 <= j < len(plan.steps) and plan.steps[j].graph == here.graph else here
+    return f"{step} {op.name} ({here.graph})"
 
 
 def _graph(files: dict[str, str]) -> str:

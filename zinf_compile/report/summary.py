@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from zinf_compile.plan import Plan
-from zinf_compile.report.common import counts_text, groups
+from zinf_compile.report.common import counts_text, groups, param_uses
 from zinf_compile.report.lanes import LANES
 from zinf_compile.report.units import format_bytes, format_seconds
 
@@ -28,4 +28,37 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("actions", counts_text(plan, LANES)),
         ("offloaded tensors", str(len({g.tensor for g in groups(plan)}))),
     ]
+    return rows + param_rows(plan)
+
+
+def param_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The managed parameters in a few rows; none when the plan manages none."""
+    uses = param_uses(plan)
+    if not uses:
+        return []
+    tiers = sorted({u.param.tier for u in uses})
+    world = max(u.param.world for u in uses)
+    whole = sum(u.param.nbytes for u in uses)
+    shards = sum(u.param.shard_nbytes for u in uses)
+    where = ", ".join(tiers)
+    per_rank = f" per rank of {world}" if world > 1 else ""
+    rows = [("managed parameters", f"{len(uses)}: {format_bytes(whole)} whole, "
+                                   f"{format_bytes(shards)} of shards{per_rank} in {where}")]
+    gathered = []
+    for tier in tiers:
+        mine = [u for u in uses if u.param.tier == tier]
+        n = sum(len(u.gathers) for u in mine)
+        read = sum(len(u.gathers) * u.param.shard_nbytes for u in mine)
+        made = sum(len(u.gathers) * u.param.nbytes for u in mine)
+        text = f"{n} per step, {format_bytes(read)} read from {tier}"
+        if made != read:
+            text += f" ({format_bytes(made)} whole after the all-gather)"
+        ahead = sum(len(u.fetches) for u in mine)
+        if ahead:
+            text += f", {ahead} of them fetched ahead"
+        gathered.append(text)
+    rows.append(("parameter gathers", "; ".join(gathered)))
+    reduces = sum(len(u.reduces) for u in uses)
+    if reduces:
+        rows.append(("gradient reduces", f"{reduces} per step, into the shards in {where}"))
     return rows
