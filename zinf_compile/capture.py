@@ -300,7 +300,7 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
         facts, plan = plan_graphs(graphs, c.num_fwd_outputs, budget, profile, tier, device=device)
         mp = managed_params(graphs.values(), 1)
         if mp:
-            plan = with_param_actions(plan, facts, mp)
+            plan = with_param_actions(plan, facts, mp, profile)
         return OfflinePlan(facts, plan, graphs, tuple(chosen), (*tried, what))
 
     if managed and tier == "nvme":

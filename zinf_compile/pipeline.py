@@ -61,7 +61,7 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         plan = make_plan(facts, budget, profile, session.tier)
         params = managed_params(graphs.values(), world()[1])
         if params:
-            plan = with_param_actions(plan, facts, params)
+            plan = with_param_actions(plan, facts, params, profile)
         ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
         before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
         reports, peak = list(pre_reports), None

@@ -177,9 +177,14 @@ def _life(b, movable: bool) -> TensorLife:
     )
 
 
-def with_param_actions(plan: Plan, facts: GraphFacts, params: dict) -> Plan:
-    """The plan plus each managed parameter's gather, release and reduce actions, read off the
-    graphs the parameter passes inserted. `params`: pid -> ManagedParam."""
+def with_param_actions(plan: Plan, facts: GraphFacts, params: dict, profile: DeviceProfile | None = None) -> Plan:
+    """The plan plus each managed parameter's fetch, gather, release and reduce actions, read off
+    the graphs the parameter passes inserted. `params`: pid -> ManagedParam.
+
+    With a profile, the parameters' traffic joins bytes_moved and the predicted stall: a gather
+    waits for what of its shard's read the steps since its fetch (none without one) did not hide;
+    a reduce waits for its shard's write. (Parameter reads are not queued behind activation
+    prefetches in this estimate.)"""
     import dataclasses
 
     buffer_of = {}
@@ -208,10 +213,27 @@ def with_param_actions(plan: Plan, facts: GraphFacts, params: dict) -> Plan:
             if b is not None:
                 actions.append(Action("reduce", b.id, st.index, mp.tier, mp.nbytes, -1 - pid))
     actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
+    moved, stall = dict(plan.bytes_moved), plan.predicted_stall_s
+    if profile is not None:
+        times = np.cumsum([0.0] + [st.est_time_s for st in facts.steps])
+        fetched_at: dict[int, int] = {}
+        for a in actions:  # in step order
+            mp = params[-1 - a.group]
+            if a.kind == "fetch":
+                fetched_at[a.group] = a.step
+            elif a.kind == "gather":
+                start = fetched_at.pop(a.group, a.step)
+                hidden = times[a.step] - times[start]
+                stall += max(0.0, profile.transfer_time(mp.shard_nbytes, mp.tier, "in") - hidden)
+                moved[mp.tier] = moved.get(mp.tier, 0) + mp.shard_nbytes
+            elif a.kind == "reduce":
+                stall += profile.transfer_time(mp.shard_nbytes, mp.tier, "out")
+                moved[mp.tier] = moved.get(mp.tier, 0) + mp.shard_nbytes
     have = {t.id for t in plan.tensors}
     extra = sorted({a.tensor for a in actions} - have)
     tensors = tuple(sorted((*plan.tensors, *(_life(facts.buffers[i], False) for i in extra)), key=lambda t: t.id))
-    return dataclasses.replace(plan, actions=tuple(actions), tensors=tensors,
+    return dataclasses.replace(plan, actions=tuple(actions), tensors=tensors, bytes_moved=moved,
+                               predicted_stall_s=float(stall),
                                params=tuple(sorted(params.values(), key=lambda m: m.pid)))
 
 

@@ -1,0 +1,719 @@
+"""The optimizer for a model zinf compiles: each parameter is stepped where it lives.
+
+    model = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme"})
+    opt = zinf_compile.optim.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    for batch in data:
+        loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+The optimizer is made before the first forward, when zinf manages nothing yet: which parameters it
+manages (their data and gradient shards in the parameter store, their storage freed) is known only
+after the first compile. So the layout is decided lazily, at each `step()` (and `zero_grad()`,
+`state_dict()`, ...): the parameters are looked up in the store and, when the managed set differs
+from the last one, the inner optimizers are rebuilt and the state carried over (through the same
+per-parameter form `state_dict` uses; from the NVMe tier that reads the states into memory, so keep
+rebuilds rare -- in a normal run there is one, at the first step).
+
+  nothing managed       one inner `cls(params, **kwargs)`; every call is delegated to it, so results,
+                        `state`, `param_groups` and `state_dict()` are exactly torch's.
+  resident parameters   an inner `cls(resident, **kwargs)`.
+  managed, "cpu" tier   an inner `cls(shards, **kwargs)` over the flat shard tensors of the store
+                        (`entry.shard`); each step hands them their gradient shards. Elementwise
+                        optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) compute on the flat
+                        shard exactly what they compute on the whole parameter.
+  managed, "nvme" tier  streamed (ZeRO-Infinity's pipelined optimizer swapper): Adam and AdamW only.
+                        Per parameter the flat shard is processed in chunks of `chunk_elems`; for
+                        each chunk the parameter, gradient and states are read from their files, the
+                        chunk is stepped by torch's own functional Adam (`torch.optim.adam.adam`, the
+                        path `torch.optim.AdamW.step` takes), and written back. The read of chunk i+1
+                        and the write of chunk i-1 run in threads while chunk i computes: three chunk
+                        buffers in memory, whatever the model's size.
+
+Hyperparameters are read from `param_groups` at each step, so the user or an LR scheduler may change
+them between steps (`ZinfOptimizer` is a `torch.optim.Optimizer` for the schedulers' sake).
+
+Gradients: a managed parameter's gradient is its shard's in the store; `p.grad` stays None. Frozen
+parameters (or any without a gradient this step) are skipped, as torch does.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from zinf_compile.errors import ZinfError
+from zinf_compile.runtime.params import STORE, Entry, world
+
+__all__ = ["ZinfOptimizer", "optimizer", "DEFAULT_CHUNK_ELEMS"]
+
+# Elements per chunk of the NVMe-tier optimizer: 2M fp32 elements are 8 MiB per tensor per chunk,
+# ~100 MiB for the three chunk buffers of Adam (param, grad, exp_avg, exp_avg_sq). A multiple of
+# 4096 elements keeps every chunk's byte offset aligned for O_DIRECT whatever the dtype.
+DEFAULT_CHUNK_ELEMS = 2 << 20
+_ALIGN_ELEMS = 4096
+_RING = 3  # chunk buffers: one reading, one computing, one writing
+_NVME_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparameters
+
+
+def optimizer(model, cls: type, **kwargs) -> "ZinfOptimizer":
+    """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
+    iterable of parameters / param-group dicts), stepping managed parameters where they live."""
+    return ZinfOptimizer(model, cls, **kwargs)
+
+
+def _supported_nvme() -> tuple[type, ...]:
+    return (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _whole_param_classes() -> tuple[type, ...]:
+    """Optimizers whose update is not elementwise: they cannot step a flat shard."""
+    names = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+def _scalar_dtype(fused) -> torch.dtype:
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        return _get_scalar_dtype(is_fused=fused)
+    except ImportError:  # pragma: no cover
+        return torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+
+
+def _per_element(key, value) -> bool:
+    """A state value with one element per parameter element (exp_avg, momentum_buffer, ...), as
+    opposed to a scalar (step)."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() >= 1
+
+
+def _full_to_shard(value: torch.Tensor, e: Entry) -> torch.Tensor:
+    """This rank's flat shard of a whole (parameter-shaped) tensor, zero-padded."""
+    flat = value.detach().reshape(-1)
+    if flat.numel() != e.numel:
+        raise ZinfError(f"zinf: a state of {e.name!r} has {flat.numel()} elements; the parameter has {e.numel}")
+    lo, hi = e.shard_range()
+    if lo == 0 and hi == e.numel:
+        return flat
+    out = torch.zeros(e.shard_numel, dtype=value.dtype, device=value.device)
+    n = max(0, min(hi, e.numel) - lo)
+    out[:n] = flat[lo:lo + n]
+    return out
+
+
+def _cast_like(param: torch.Tensor, key, value, group: dict):
+    """torch's policy when loading optimizer state (`_process_value_according_to_param_policy`):
+    floating states take the parameter's dtype and device; `step` stays as it is unless fused or
+    capturable. Always a fresh tensor here (never aliasing what was loaded)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            out = value.to(dtype=torch.float32, device=param.device)
+        else:
+            out = value
+    elif param.is_floating_point():
+        out = value.to(dtype=param.dtype, device=param.device)
+    else:
+        out = value.to(device=param.device)
+    return out.clone() if out is value else out
+
+
+@dataclass
+class _Layout:
+    key: tuple
+    plain: bool = True
+    res_opt: torch.optim.Optimizer | None = None
+    res_groups: list = field(default_factory=list)  # facade group index of each inner group
+    cpu_opt: torch.optim.Optimizer | None = None
+    cpu_groups: list = field(default_factory=list)
+    cpu: list = field(default_factory=list)  # (group index, param, entry)
+    nvme: list = field(default_factory=list)  # (group index, param, entry)
+    where: dict = field(default_factory=dict)  # id(param) -> (kind, entry, group index)
+
+
+@dataclass
+class _NvmeState:
+    step: int = 0  # steps taken (torch's state["step"]); 0: the states are zeros, never read
+    names: tuple = ()  # state files written
+
+
+class ZinfOptimizer(torch.optim.Optimizer):
+    """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
+
+    def __init__(self, model, cls: type, **kwargs) -> None:
+        # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
+        # optimizer's. The hook tables are there for the methods inherited from the base class.
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"zinf: optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+        if isinstance(model, nn.Module):
+            params = list(model.parameters())
+        else:
+            params = list(model)
+        if params and not isinstance(params[0], dict):
+            params = list(dict.fromkeys(params))  # tied parameters: one object, stepped once
+        self._cls = cls
+        self._kwargs = dict(kwargs)
+        self._plain = cls(params, **kwargs)  # holds the param groups the user sees, and steps when nothing is managed
+        self._layout = _Layout(key=self._unmanaged_key())  # what the plain optimizer covers
+        self._nvme_state: dict[int, _NvmeState] = {}  # id(entry) -> its streamed state (entries are held by the layout)
+        self._pending: list[Callable[[], None]] = []  # state loads waiting for the layout (checkpoint.py)
+        self._pool: ThreadPoolExecutor | None = None
+        self.chunk_elems = DEFAULT_CHUNK_ELEMS
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # -- what torch.optim.Optimizer users touch -------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The groups (dicts) whose hyperparameters apply to every parameter, wherever it lives."""
+        return self._plain.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._plain.defaults
+
+    @property
+    def state(self):
+        """torch's `state` when nothing is managed; otherwise a read-only mapping param -> state,
+        where a managed parameter's states are this rank's flat shard (shaped like the parameter
+        with one process), read from the files for the NVMe tier."""
+        self._sync()
+        if self._layout.plain:
+            return self._plain.state
+        return _StateView(self)
+
+    @property
+    def inner_class(self) -> type:
+        return self._cls
+
+    def __repr__(self) -> str:
+        return f"ZinfOptimizer({self._cls.__name__}) over " + repr(self._plain)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._plain.add_param_group(param_group)  # the layout is rebuilt at the next step
+
+    def step(self, closure=None):
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            res = hook(self, (), {})
+            if res is not None:
+                raise ZinfError("zinf: step pre-hooks that change arguments are not supported")
+        self._sync()
+        lay = self._layout
+        if lay.plain:
+            loss = self._plain.step(closure)
+        else:
+            self._check_managed_class()
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._push_hyper()
+            if lay.res_opt is not None:
+                lay.res_opt.step()
+            if lay.cpu_opt is not None:
+                self._cpu_step()
+            if lay.nvme:
+                self._nvme_step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resident parameters as torch does. Managed parameters' gradient shards are cleared;
+        with set_to_none=False the CPU tier's are zeroed in place as torch would (the NVMe tier's
+        are cleared all the same: a step then skips a parameter that got no new gradient, where
+        torch would step it with a zero gradient)."""
+        self._sync(run_pending=False)
+        lay = self._layout
+        if lay.plain:
+            self._plain.zero_grad(set_to_none)
+            return
+        if lay.res_opt is not None:
+            lay.res_opt.zero_grad(set_to_none)
+        entries = []
+        for _, _, e in lay.cpu:
+            if not set_to_none and e.has_grad and e.grad is not None:
+                e.grad.zero_()
+            else:
+                entries.append(e)
+        entries += [e for _, _, e in lay.nvme]
+        STORE.zero_grad(entries)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format. With nothing managed, the inner optimizer's own. Otherwise states are
+        keyed by parameter index (as torch numbers them); a managed parameter's states are read
+        into CPU tensors (from the files for the NVMe tier), shaped like the parameter with one
+        process. With several processes each rank's are its flat shards, and the dict says so
+        under "zinf". For big models, `zinf_compile.checkpoint.save_checkpoint` streams instead."""
+        self._sync()
+        if self._layout.plain:
+            return self._plain.state_dict()
+        packed = self._plain.state_dict()  # the plain optimizer holds no state once rebuilt
+        state, sharded = {}, []
+        for idx, p in enumerate(self._all_params()):
+            got = self._export_param_state(p)
+            if got is None:
+                continue
+            form, st = got
+            state[idx] = self._present(p, form, st)
+            if form == "shard" and world()[1] > 1:
+                sharded.append(idx)
+        out = {"state": state, "param_groups": packed["param_groups"]}
+        if sharded:
+            rank, size = world()
+            out["zinf"] = {"world": size, "rank": rank, "sharded": sharded}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of `state_dict()`; also loads a plain torch optimizer's state dict (whole
+        tensors: each managed parameter takes its shard of them)."""
+        self._sync()
+        if self._layout.plain:
+            self._plain.load_state_dict(state_dict)
+            return
+        meta = state_dict.get("zinf") or {}
+        sharded = set(meta.get("sharded", ()))
+        if sharded and (meta.get("world"), meta.get("rank")) != (world()[1], world()[0]):
+            raise ZinfError(
+                f"zinf: this optimizer state dict holds rank {meta.get('rank')}'s shards of a "
+                f"{meta.get('world')}-process run; this is rank {world()[0]} of {world()[1]}")
+        # hyperparameters and the group checks: torch's own code, on the plain optimizer (stateless)
+        self._plain.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._plain.state.clear()
+        self._clear_state()
+        params = self._all_params()
+        for idx, st in state_dict["state"].items():
+            if not isinstance(idx, int) or not 0 <= idx < len(params):
+                raise ZinfError(f"zinf: optimizer state dict has state for parameter #{idx!r}, which this "
+                                f"optimizer does not have ({len(params)} parameters)")
+            self._import_param_state(params[idx], "shard" if idx in sharded else "full", st)
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _all_params(self) -> list[torch.Tensor]:
+        out, seen = [], set()
+        for g in self._plain.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _layout_key(self) -> tuple:
+        key = []
+        for gi, g in enumerate(self._plain.param_groups):
+            for p in g["params"]:
+                e = STORE.entry(p)
+                key.append((gi, id(p), None if e is None else (id(e), e.tier)))
+        return tuple(key)
+
+    def _unmanaged_key(self) -> tuple:
+        return tuple((gi, id(p), None) for gi, g in enumerate(self._plain.param_groups) for p in g["params"])
+
+    @staticmethod
+    def _layout_key_managed(key: tuple) -> bool:
+        return any(k[2] is not None for k in key)
+
+    def _any_managed(self) -> bool:
+        return self._layout_key_managed(self._layout_key())
+
+    def _sync(self, run_pending: bool = True) -> None:
+        """Rebuild the inner optimizers if the managed set changed; then run pending state loads
+        (not from zero_grad: a loop may call it before the first forward manages anything)."""
+        key = self._layout_key()
+        if key != self._layout.key:
+            if self._layout.plain and not self._layout_key_managed(key):
+                self._layout.key = key  # still nothing managed (a group was added): still torch's own
+            else:
+                self._rebuild(key)
+        while run_pending and self._pending:
+            self._pending.pop(0)()
+
+    def _defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` after the next layout sync (a checkpoint loaded before the first compile: its
+        states go straight to where the parameters will live)."""
+        self._pending.append(fn)
+
+    def _rebuild(self, key: tuple) -> None:
+        old = self._layout
+        lay = self._new_layout(key)
+        carried, lost = [], []
+        for p in self._all_params():
+            was, now = old.where.get(id(p)), lay.where.get(id(p))
+            if was and now and was[0] == now[0] == "nvme" and was[1] is now[1]:
+                continue  # same entry, same files: its state stays where it is
+            try:
+                got = self._export_param_state(p)  # through the old layout
+            except Exception as err:  # e.g. the engine holding its files was closed
+                lost.append((p, err))
+                continue
+            if got is not None:
+                carried.append((p, got))
+        self._layout = lay
+        self._plain.state.clear()
+        for opt in (old.res_opt, old.cpu_opt):
+            if opt is not None:
+                opt.state.clear()
+        keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
+        self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
+        for p, (form, st) in carried:
+            try:
+                self._import_param_state(p, form, st)
+            except Exception as err:
+                lost.append((p, err))
+        if lost:
+            warnings.warn(f"zinf: the optimizer's layout changed (parameters taken over or released) and the "
+                          f"state of {len(lost)} parameter(s) could not be carried over; they start afresh "
+                          f"(first error: {lost[0][1]})", RuntimeWarning, stacklevel=3)
+
+    def _new_layout(self, key: tuple) -> _Layout:
+        groups = self._plain.param_groups
+        lay = _Layout(key=key, plain=not self._layout_key_managed(key))
+        if lay.plain:
+            return lay
+        res: dict[int, list] = {}
+        cpu: dict[int, list] = {}
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) in lay.where:
+                    continue
+                e = STORE.entry(p)
+                if e is None:
+                    res.setdefault(gi, []).append(p)
+                    lay.where[id(p)] = ("res", None, gi)
+                elif e.tier == "cpu":
+                    cpu.setdefault(gi, []).append(e.shard)
+                    lay.cpu.append((gi, p, e))
+                    lay.where[id(p)] = ("cpu", e, gi)
+                else:
+                    lay.nvme.append((gi, p, e))
+                    lay.where[id(p)] = ("nvme", e, gi)
+        if res:
+            lay.res_groups = sorted(res)
+            lay.res_opt = self._cls([dict(self._hyper(gi), params=res[gi]) for gi in lay.res_groups],
+                                    **self._kwargs)
+        if cpu:
+            lay.cpu_groups = sorted(cpu)
+            lay.cpu_opt = self._cls([dict(self._hyper(gi), params=cpu[gi]) for gi in lay.cpu_groups],
+                                    **self._kwargs)
+        return lay
+
+    def _where(self, p: torch.Tensor) -> tuple[str, Entry | None, int]:
+        if self._layout.plain:
+            return "plain", None, -1
+        got = self._layout.where.get(id(p))
+        if got is None:
+            raise ZinfError("zinf: this parameter is not one of the optimizer's")
+        return got
+
+    def _hyper(self, gi: int) -> dict[str, Any]:
+        return {k: v for k, v in self._plain.param_groups[gi].items() if k not in _FORWARD_KEYS}
+
+    def _push_hyper(self) -> None:
+        """The facade's hyperparameters (changed by the user or a scheduler) into the inner ones."""
+        lay = self._layout
+        for opt, gis in ((lay.res_opt, lay.res_groups), (lay.cpu_opt, lay.cpu_groups)):
+            if opt is None:
+                continue
+            for g, gi in zip(opt.param_groups, gis):
+                g.update(self._hyper(gi))
+
+    def _check_managed_class(self) -> None:
+        lay = self._layout
+        if lay.nvme and self._cls not in _supported_nvme():
+            raise ZinfError(
+                f"zinf: {len(lay.nvme)} parameter(s) live in the NVMe tier (e.g. {lay.nvme[0][2].name!r}); "
+                f"zinf steps them by streaming their states through memory, which it implements for "
+                f"torch.optim.Adam and torch.optim.AdamW only, not {self._cls.__name__}. Use one of those, "
+                f"or offload='cpu' (any elementwise optimizer), or params='resident'.")
+        if (lay.cpu or lay.nvme) and issubclass(self._cls, _whole_param_classes()):
+            raise ZinfError(
+                f"zinf: {self._cls.__name__} needs whole parameters (its update is not elementwise), but "
+                f"zinf manages parameters as flat shards; use an elementwise optimizer or params='resident'")
+
+    def _clear_state(self) -> None:
+        lay = self._layout
+        self._plain.state.clear()
+        for opt in (lay.res_opt, lay.cpu_opt):
+            if opt is not None:
+                opt.state.clear()
+        self._nvme_state.clear()
+
+    # -- per-parameter state (state_dict, rebuilds and checkpoint.py go through these) ---------------
+    def _export_param_state(self, p: torch.Tensor) -> tuple[str, dict] | None:
+        """(form, state) of one parameter, or None without state. form "full": tensors shaped like
+        the parameter (as torch keeps them); "shard": per-element states are this rank's flat
+        shard (managed parameters). Live tensors, except NVMe states (read fresh)."""
+        kind, e, _ = self._where(p)
+        if kind == "plain":
+            st = self._plain.state.get(p)
+            return ("full", st) if st else None
+        if kind == "res":
+            st = self._layout.res_opt.state.get(p)
+            return ("full", st) if st else None
+        if kind == "cpu":
+            st = self._layout.cpu_opt.state.get(e.shard)
+            return ("shard", st) if st else None
+        rec = self._nvme_state.get(id(e))
+        if rec is None or rec.step == 0:
+            return None
+        g = self._plain.param_groups[self._layout.where[id(p)][2]]
+        st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
+        for name in rec.names:
+            buf = torch.empty(e.shard_numel, dtype=e.dtype)
+            e.engine.read_file(e.state_fd(name), buf)
+            st[name] = buf
+        return "shard", st
+
+    def _present(self, p: torch.Tensor, form: str, st: dict) -> dict:
+        """A state as the user sees it: with one process, shards are the whole parameter: reshape."""
+        if form == "shard" and world()[1] == 1:
+            return {k: (v.view(p.shape) if _per_element(k, v) and v.numel() == p.numel() else v)
+                    for k, v in st.items()}
+        return dict(st)
+
+    def _import_param_state(self, p: torch.Tensor, form: str, st: dict) -> None:
+        """Set one parameter's state from (form, state) as `_export_param_state` gives it (or a
+        whole-tensor state from a plain torch optimizer)."""
+        kind, e, gi = self._where(p)
+        lay = self._layout
+        if kind in ("plain", "res"):
+            opt = self._plain if kind == "plain" else lay.res_opt
+            group = self._plain.param_groups[gi] if gi >= 0 else self._group_of(p)
+            out = {}
+            for k, v in st.items():
+                if form == "shard" and _per_element(k, v) and v.numel() != p.numel():
+                    if world()[1] > 1:
+                        raise ZinfError(f"zinf: cannot load a shard of a state into whole parameter {k!r} "
+                                        f"across {world()[1]} processes (gather it first)")
+                    v = v.reshape(-1)[: p.numel()]
+                if _per_element(k, v):
+                    v = v.reshape(p.shape)
+                out[k] = _cast_like(p, k, v, group)
+            opt.state[p] = out
+            return
+        group = self._plain.param_groups[gi]
+        if kind == "cpu":
+            out = {}
+            for k, v in st.items():
+                if _per_element(k, v):
+                    v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, k)
+                out[k] = _cast_like(e.shard, k, v, group)
+            lay.cpu_opt.state[e.shard] = out
+            return
+        # nvme: the states to their files, the step count to memory
+        unknown = sorted(set(st) - {"step", *_NVME_STATES})
+        if unknown:
+            raise ZinfError(f"zinf: state {unknown} of {e.name!r} is not Adam's: the NVMe tier keeps "
+                            f"{('step',) + _NVME_STATES}")
+        step = st.get("step", 0)
+        step = int(round(float(step.item() if isinstance(step, torch.Tensor) else step)))
+        names = tuple(n for n in _NVME_STATES if n in st)
+        if step and not {"exp_avg", "exp_avg_sq"} <= set(names):
+            raise ZinfError(f"zinf: Adam state of {e.name!r} at step {step} lacks exp_avg / exp_avg_sq")
+        for name in names:
+            v = st[name]
+            v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, name)
+            v = v.detach().to(device="cpu", dtype=e.dtype).contiguous()
+            e.engine.write_file(e.state_fd(name), v)
+        self._nvme_state[id(e)] = _NvmeState(step, names)
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        for g in self._plain.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        return self._plain.param_groups[0]
+
+    @staticmethod
+    def _check_shard(v: torch.Tensor, e: Entry, key) -> torch.Tensor:
+        if v.numel() != e.shard_numel:
+            raise ZinfError(f"zinf: state {key!r} of {e.name!r} has {v.numel()} elements; this rank's shard "
+                            f"has {e.shard_numel}")
+        return v.reshape(-1)
+
+    # -- stepping managed parameters ------------------------------------------------------------
+    def _cpu_step(self) -> None:
+        lay = self._layout
+        given = []
+        for _, _, e in lay.cpu:
+            g = e.read_grad()
+            if g is not None:
+                e.shard.grad = g
+                given.append(e.shard)
+        try:
+            if given:
+                lay.cpu_opt.step()
+        finally:
+            for s in given:
+                s.grad = None
+
+    @property
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="zinf-optim")
+        return self._pool
+
+    def _nvme_step(self) -> None:
+        """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
+        with the arithmetic (the read of chunk i+1, the write of chunk i-1)."""
+        chunk = int(self.chunk_elems)
+        if chunk <= 0 or chunk % _ALIGN_ELEMS:
+            raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk}")
+        work = []
+        for gi, _, e in self._layout.nvme:
+            if not e.has_grad:
+                continue
+            g = self._plain.param_groups[gi]
+            if g.get("differentiable") or g.get("capturable"):
+                raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
+                                "and capturable=True are not supported there")
+            rec = self._nvme_state.get(id(e)) or _NvmeState()
+            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
+            if rec.step and not set(names) <= set(rec.names):
+                raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
+                                "turned on after the first step?)")
+            fds = {n: e.state_fd(n) for n in names}  # made here, not in the I/O threads
+            work.append(_Work(e, g, rec.step, names, fds, e.engine))
+        if not work:
+            return
+        chunks = [(w, start, min(chunk, w.entry.shard_numel - start))
+                  for w in work for start in range(0, w.entry.shard_numel, chunk)]
+        width = max(w.entry.dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
+        used = ("param", "grad") + tuple(n for n in _NVME_STATES if any(n in w.names for w in work))
+        ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
+        pool = self._executor
+        reads: dict[int, tuple] = {}
+        writes: dict[int, list] = {}
+
+        def views(i):
+            w, start, n = chunks[i]
+            nbytes = n * w.entry.dtype.itemsize
+            slot = ring[i % len(ring)]
+            return {k: slot[k][:nbytes].view(w.entry.dtype) for k in ("param", "grad") + w.names}
+
+        def submit_read(i):
+            prev = writes.pop(i - len(ring), None)  # that chunk's buffers are this one's
+            if prev:
+                _wait_all(prev)
+            w, start, n = chunks[i]
+            v = views(i)
+            off = start * w.entry.dtype.itemsize
+            futs = [pool.submit(w.engine.read_file, w.entry.fd, v["param"], off),
+                    pool.submit(w.engine.read_file, w.entry.grad_fd, v["grad"], off)]
+            for name in w.names:
+                if w.step == 0:
+                    v[name].zero_()  # torch starts its states at zeros; the files hold nothing yet
+                else:
+                    futs.append(pool.submit(w.engine.read_file, w.fds[name], v[name], off))
+            reads[i] = (v, futs)
+
+        def submit_write(i, v):
+            w, start, n = chunks[i]
+            off = start * w.entry.dtype.itemsize
+            writes[i] = [pool.submit(w.engine.write_file, w.entry.fd, v["param"], off)] + [
+                pool.submit(w.engine.write_file, w.fds[name], v[name], off) for name in w.names]
+
+        try:
+            submit_read(0)
+            for i in range(len(chunks)):
+                v, futs = reads.pop(i)
+                _wait_all(futs)
+                if i + 1 < len(chunks):
+                    submit_read(i + 1)
+                w = chunks[i][0]
+                _adam_chunk(w, v)
+                submit_write(i, v)
+            for i in sorted(writes):
+                _wait_all(writes.pop(i))
+        except BaseException as err:
+            for _, futs in reads.values():
+                _wait_all(futs, raise_=False)
+            for futs in writes.values():
+                _wait_all(futs, raise_=False)
+            if isinstance(err, ZinfError):
+                raise
+            raise ZinfError(f"zinf: the NVMe-tier optimizer step failed ({type(err).__name__}: {err}); the "
+                            "parameters and states of this step are partly updated") from err
+        for w in work:
+            self._nvme_state[id(w.entry)] = _NvmeState(w.step + 1, w.names)
+
+
+@dataclass
+class _Work:
+    entry: Entry
+    group: dict
+    step: int
+    names: tuple
+    fds: dict
+    engine: Any
+
+
+def _wait_all(futs, raise_: bool = True) -> None:
+    first = None
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as err:
+            first = first or err
+    if first is not None and raise_:
+        raise first
+
+
+def _adam_chunk(w: _Work, v: dict) -> None:
+    """One chunk through torch's functional Adam, exactly as `torch.optim.Adam(W).step` calls it
+    for one parameter (each chunk its own copy of the step count: torch increments it in place)."""
+    from torch.optim.adam import adam
+
+    g = w.group
+    beta1, beta2 = g["betas"]
+    fused = g.get("fused")
+    step_t = torch.tensor(float(w.step), dtype=_scalar_dtype(fused))
+    p = v["param"]
+    with torch.no_grad():
+        adam([p], [v["grad"]], [v["exp_avg"]], [v["exp_avg_sq"]],
+             [v["max_exp_avg_sq"]] if g["amsgrad"] else [], [step_t],
+             foreach=g.get("foreach"), capturable=False, differentiable=False, fused=fused,
+             grad_scale=None, found_inf=None, has_complex=torch.is_complex(p),
+             decoupled_weight_decay=g.get("decoupled_weight_decay", False),
+             amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"],
+             eps=g["eps"], maximize=g["maximize"])
+
+
+class _StateView(Mapping):
+    """`ZinfOptimizer.state` once parameters are managed: param -> its state, read on access."""
+
+    def __init__(self, opt: ZinfOptimizer) -> None:
+        self._opt = opt
+
+    def _params_with_state(self):
+        return [p for p in self._opt._all_params() if self._opt._export_param_state(p) is not None]
+
+    def __getitem__(self, p):
+        try:
+            got = self._opt._export_param_state(p)
+        except ZinfError:
+            raise KeyError(p) from None
+        if got is None:
+            raise KeyError(p)
+        return self._opt._present(p, *got)
+
+    def get(self, p, default=None):
+        try:
+            return self[p]
+        except (KeyError, ZinfError):
+            return default
+
+    def __iter__(self):
+        return iter(self._params_with_state())
+
+    def __len__(self) -> int:
+        return len(self._params_with_state())
