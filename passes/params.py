@@ -4,9 +4,9 @@
                     `zinf::gather(p)`, placed before its first use. In a joint graph the gather is
                     marked MUST_RECOMPUTE, so the partitioner gathers again in the backward instead
                     of saving the whole parameter from forward to backward.
-    ReduceGrads     backward graph: each managed parameter's gradient goes to
-                    `zinf::reduce_grad(g, pid)` (into its shard) and the graph returns None for it,
-                    so autograd never accumulates a whole gradient.
+    ReduceGrads     joint graph: each managed parameter's gradient goes to
+                    `zinf::reduce_grad(g, p)` (into p's shard); after partitioning the backward
+                    returns None for it, so autograd never accumulates a whole gradient.
     SinkGathers     any graph: each gather moves to just before its first user (the partitioner puts
                     recomputed nodes where it likes), so a parameter is whole only while it is used.
 
@@ -24,10 +24,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .base import PassReport
 
 
-def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True) -> dict:
+def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True,
+               engine: int = 0) -> dict:
     """The meta a managed parameter's placeholder carries (the analysis counts `resident_bytes`)."""
     return {"kind": "param", "name": name, "pid": pid, "resident_bytes": resident_bytes, "tier": tier,
-            "requires_grad": requires_grad}
+            "requires_grad": requires_grad, "engine": engine}
 
 
 def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict],
@@ -40,11 +41,14 @@ def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs
     if managed:
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
         reports.append(InsertGathers()(gm.graph, {primals[i]: m for i, m in managed.items()}, recompute=True))
+        # the joint graph returns the forward's outputs, then one gradient per primal, in order
+        nfo = kwargs["num_fwd_outputs"]
+        reports.append(ReduceGrads()(gm.graph, {nfo + i: (primals[i], m) for i, m in managed.items()
+                                                if m["requires_grad"]}))
         gm.recompile()
     fw, bw = partition_fn(gm, joint_inputs, **kwargs)
     if managed:
-        # the backward returns one gradient per primal, in order (None where none flows)
-        reports.append(ReduceGrads()(bw.graph, {i: m for i, m in managed.items() if m["requires_grad"]}))
+        ReduceGrads.drop_outputs(bw.graph)
         reports.append(SinkGathers()(fw.graph))
         reports.append(SinkGathers()(bw.graph))
         for m in (fw, bw):
@@ -115,7 +119,7 @@ class InsertGathers:
             if not users:
                 continue
             with graph.inserting_before(users[0]):
-                g = graph.call_function(gather, (p,))
+                g = graph.call_function(gather, (p, meta["engine"], meta["tier"]))
             g.meta["val"] = _fake_gather(p)
             g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
             if recompute:
@@ -130,27 +134,45 @@ class InsertGathers:
 class ReduceGrads:
     name: str = "reduce-grads"
 
-    def __call__(self, graph: fx.Graph, slots: dict[int, dict]) -> PassReport:
-        """`slots`: position among the backward's outputs -> param_meta(...) of that parameter."""
+    def __call__(self, graph: fx.Graph, slots: dict[int, tuple[fx.Node, dict]]) -> PassReport:
+        """Joint graph: `slots` maps a position among the outputs (a managed parameter's gradient)
+        to (the parameter's placeholder, param_meta). Its gradient g is replaced there by
+        reduce_grad(g, p): the parameter itself goes along (the partitioner saves it for the
+        backward, free: its storage is empty), so the backward reduces into whichever instance's
+        parameter the call got. After partitioning, `drop_outputs` returns None in its place."""
         from zinf_compile.runtime.ops import reduce_grad
 
         out = next(iter(graph.find_nodes(op="output")))
         outs = list(out.args[0])
         changes = []
-        for i, meta in sorted(slots.items()):
+        for i, (p, meta) in sorted(slots.items()):
             g = outs[i]
             if not isinstance(g, fx.Node):
                 continue  # no gradient flows to this parameter
             with graph.inserting_before(out):
-                r = graph.call_function(reduce_grad, (g, meta["pid"]))
-            r.meta["val"] = None
+                r = graph.call_function(reduce_grad, (g, p))
+            from torch._guards import detect_fake_mode
+
+            with detect_fake_mode([g.meta["val"]]):
+                r.meta["val"] = g.meta["val"].new_empty((0,))
             r.meta["zinf"] = {"kind": "reduce", "name": meta["name"], "pid": meta["pid"]}
-            outs[i] = None
+            outs[i] = r
             changes.append(f"reduce-scatter the gradient of {meta['name']} ({g.name})")
         out.args = (tuple(outs),)
-        SinkGathers.sink_to_producer(graph)
         graph.lint()
         return PassReport(self.name, tuple(changes), {"reduces": len(changes)} if changes else {})
+
+    @staticmethod
+    def drop_outputs(graph: fx.Graph) -> None:
+        """Backward graph: None where it returns a reduce_grad's result (autograd accumulates
+        nothing for a managed parameter), each reduce right after its gradient's last reader."""
+        from zinf_compile.runtime.ops import reduce_grad
+
+        out = next(iter(graph.find_nodes(op="output")))
+        out.args = (tuple(None if isinstance(a, fx.Node) and a.target is reduce_grad else a
+                          for a in out.args[0]),)
+        SinkGathers.sink_to_producer(graph)
+        graph.lint()
 
 
 @dataclass(frozen=True)
@@ -221,12 +243,12 @@ class PrefetchGathers:
             if at == pos[g]:
                 continue
             with graph.inserting_before(nodes[at]):
-                h = graph.call_function(fetch, (p,))
+                h = graph.call_function(fetch, (p, *g.args[1:]))
                 h.meta["val"] = _fake_handle(val)
                 h.meta["zinf"] = {"kind": "fetch", "name": g.meta["zinf"]["name"], "pid": g.meta["zinf"]["pid"],
                                   "resident_bytes": fetched_bytes(nbytes)}
             with graph.inserting_before(g):
-                new = graph.call_function(gather_from, (p, h))
+                new = graph.call_function(gather_from, (p, h, *g.args[1:]))
             new.meta.update(g.meta)
             g.replace_all_uses_with(new)
             graph.erase_node(g)

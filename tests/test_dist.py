@@ -3,7 +3,10 @@
 Each rank keeps half of every managed parameter, its gradient and its optimizer states; losses and
 the trained parameters must match the single-process run. Not bit for bit: the mean over ranks of
 two half-batch gradients rounds differently from one gradient of the whole batch (measured
-differences ~1e-9 on gradients of ~1e-3), so the tolerance is rtol 1e-5.
+differences ~1e-9 on gradients of ~1e-3), so losses match to rtol 1e-5. AdamW divides by the root
+of the squared-gradient average, which turns that rounding into updates of up to ~lr on the few
+elements whose gradient is almost zero: measured 30 of 33,000 elements off by 4e-6..6e-5 after 3
+steps at lr 1e-2. Parameters are checked to atol 1e-4, with 99.5% of elements within 1e-6.
 """
 from __future__ import annotations
 
@@ -47,8 +50,12 @@ def test_two_ranks_match_one_process(runs):
     assert one["managed"] == two["managed"] and len(one["managed"]) == 2
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
     assert one["losses"][-1] < one["losses"][0]  # it trains
+    off = total = 0
     for k, v in one["state"].items():
-        torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(two["state"][k], v, rtol=0, atol=1e-4, msg=k)
+        off += int(((two["state"][k] - v).abs() > 1e-6).sum())
+        total += v.numel()
+    assert off <= 0.005 * total, (off, total)
 
 
 def test_each_rank_holds_half(runs):

@@ -220,3 +220,28 @@ def test_a_failed_shard_write_keeps_the_parameter_and_says_why(offload_root):
     assert p.untyped_storage().nbytes() == p.numel() * 4 and torch.equal(p.detach(), before)
     eng.close()
     assert not os.path.exists(os.path.join(offload_root, "full")) or not os.listdir(os.path.join(offload_root, "full"))
+
+
+def test_a_second_instance_reusing_the_compiled_graph_gets_its_own_shards(offload_root):
+    """Dynamo reuses a compiled graph for another instance of the same model (parameters are
+    graph inputs, guarded by shape): its parameters are taken over at their first gather, and
+    each instance's gradients go to its own shards."""
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(8, 64)
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": offload_root}
+    models = [build(1), build(2)]
+    refs = [build(1), build(2)]
+    for m, r in zip(models, refs):
+        torch.compile(m, backend="zinf", options=opts)(x).square().mean().backward()
+        torch.compile(r)(x).square().mean().backward()
+    # one zinf graph and one Inductor graph, each reused for the second instance
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    for m, r in zip(models, refs):
+        for (n, p), q in zip(m.named_parameters(), r.parameters()):
+            e = STORE.entry(p)
+            got = e.read_grad().view(q.shape) if e is not None else p.grad
+            assert torch.equal(got, q.grad), n

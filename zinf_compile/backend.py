@@ -126,8 +126,8 @@ class ZinfPartitioner(CustomPartitionerFn):
         from zinf_compile.passes.params import param_meta, partition_with_params
 
         s = self.session
-        managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad)
-                   for _, info in chosen}
+        managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad,
+                                          s.engine_key) for _, info in chosen}
         # over several ranks, the gradients of resident parameters are averaged as DDP does
         chosen_ids = {info.index for _, info in chosen}
         allreduce = [info.index for info in s.params if info.requires_grad and info.index not in chosen_ids] \
@@ -185,8 +185,8 @@ class ZinfPostGrad(_PostGradPass):
         for prefetch in (True, False) if chosen and s.tier == "nvme" else (False,):
             reports = []
             if chosen:
-                managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False)
-                           for n, info in chosen}
+                managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
+                                         s.engine_key) for n, info in chosen}
                 reports.append(InsertGathers()(graph, managed, recompute=False))
                 if prefetch:
                     reports += _prefetch_gathers(s, [graph])

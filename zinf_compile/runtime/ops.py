@@ -3,10 +3,10 @@
     offload(x, engine, dim_order)                      -> handle   (x leaves the device)
     prefetch(h, engine, device)                        -> handle   (the read starts)
     wait(h, engine, dtype, device, dim_order)          -> tensor   (the read is joined)
-    gather(p)                                          -> tensor   (a managed parameter, whole)
-    reduce_grad(g, pid)                                -> ()       (g into the gradient shard)
-    fetch(p)                                           -> handle   (p's shard read starts)
-    gather_from(p, h)                                  -> tensor   (gather, from the fetched shard)
+    gather(p, engine, tier)                            -> tensor   (a managed parameter, whole)
+    reduce_grad(g, p)                                  -> empty    (g into p's gradient shard)
+    fetch(p, engine, tier)                             -> handle   (p's shard read starts)
+    gather_from(p, h, engine, tier)                    -> tensor   (gather, from the fetched shard)
 
 A handle is an int64 tensor shaped like the tensor it stands for, with all strides 0 (one element
 in memory): see engine.py.
@@ -23,11 +23,14 @@ _lib.define("prefetch(Tensor h, int engine, Device device) -> Tensor")
 _lib.define("wait(Tensor h, int engine, ScalarType dtype, Device device, int[] dim_order) -> Tensor")
 # gather is pure for the graph (the same parameter gives the same value), so the partitioner may
 # recompute it in the backward; reduce_grad returns nothing and must never be removed.
-_lib.define("gather(Tensor p) -> Tensor")
-_lib.define("reduce_grad(Tensor g, int pid) -> ()")
+# A parameter is found by its storage; one the store does not manage yet (another instance of a
+# model whose compiled graph Dynamo reuses) is taken over on first use, into `tier` via `engine`.
+_lib.define("gather(Tensor p, int engine, str tier) -> Tensor")
+# reduce_grad returns an empty tensor that nothing reads (the backward returns None in its place)
+_lib.define("reduce_grad(Tensor g, Tensor p) -> Tensor")
 # fetch starts reading a parameter's shard ahead of its gather; gather_from finishes it
-_lib.define("fetch(Tensor p) -> Tensor")
-_lib.define("gather_from(Tensor p, Tensor h) -> Tensor")
+_lib.define("fetch(Tensor p, int engine, str tier) -> Tensor")
+_lib.define("gather_from(Tensor p, Tensor h, int engine, str tier) -> Tensor")
 
 
 def _fake_handle(shape) -> torch.Tensor:
@@ -68,50 +71,51 @@ def _wait_fake(h, engine_key, dtype, device, dim_order):
 
 
 @torch.library.impl(_lib, "gather", "CompositeExplicitAutograd")
-def _gather(p):
+def _gather(p, engine, tier):
     from zinf_compile.runtime.params import STORE
 
-    return STORE.gather(p)
+    return STORE.gather(p, engine, tier)
 
 
 @torch.library.register_fake("zinf::gather", lib=_lib)
-def _gather_fake(p):
+def _gather_fake(p, engine, tier):
     return torch.empty_like(p, memory_format=torch.contiguous_format)
 
 
 @torch.library.impl(_lib, "reduce_grad", "CompositeExplicitAutograd")
-def _reduce_grad(g, pid):
+def _reduce_grad(g, p):
     from zinf_compile.runtime.params import STORE
 
-    STORE.reduce_grad(pid, g)
+    STORE.reduce_grad(p, g)
+    return g.new_empty((0,))
 
 
 @torch.library.register_fake("zinf::reduce_grad", lib=_lib)
-def _reduce_grad_fake(g, pid):
-    return None
+def _reduce_grad_fake(g, p):
+    return g.new_empty((0,))
 
 
 @torch.library.impl(_lib, "fetch", "CompositeExplicitAutograd")
-def _fetch(p):
+def _fetch(p, engine, tier):
     from zinf_compile.runtime.params import STORE
 
-    return STORE.fetch(p)
+    return STORE.fetch(p, engine, tier)
 
 
 @torch.library.register_fake("zinf::fetch", lib=_lib)
-def _fetch_fake(p):
+def _fetch_fake(p, engine, tier):
     return torch.empty((1,), dtype=torch.int64, device="cpu")
 
 
 @torch.library.impl(_lib, "gather_from", "CompositeExplicitAutograd")
-def _gather_from(p, h):
+def _gather_from(p, h, engine, tier):
     from zinf_compile.runtime.params import STORE
 
-    return STORE.gather_from(p, h)
+    return STORE.gather_from(p, h, engine, tier)
 
 
 @torch.library.register_fake("zinf::gather_from", lib=_lib)
-def _gather_from_fake(p, h):
+def _gather_from_fake(p, h, engine, tier):
     return torch.empty_like(p, memory_format=torch.contiguous_format)
 
 

@@ -227,18 +227,28 @@ class ParamStore:
             param.copy_(full)
 
     # -- what the graph calls -----------------------------------------------------------------
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        e = self._require(t)
+    def adopt(self, t: torch.Tensor, engine_key: int, tier: str) -> Entry:
+        """The entry of `t`, taking it over first if no compile did: Dynamo reuses a compiled graph
+        for another instance of the same model (its parameters are graph inputs), whose parameters
+        reach the graph's gathers still whole."""
+        e = self.entry(t)
+        if e is None:
+            with torch.no_grad():
+                e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key)
+        return e
+
+    def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
+        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
         out = self.full(e)
         self.stats["gathers"] += 1
         self.stats["bytes_gathered"] += e.nbytes
         return out
 
-    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+    def fetch(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
         """Start reading the shard of parameter `t` from its tier; the handle goes to gather_from.
         The handle is a one-element int64 tensor whose storage (numpy-owned) ends the fetch if
         the handle dies unused."""
-        e = self._require(t)
+        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
         ticket = next(self._tickets)
         buf, futures = None, []
         if e.tier == "nvme":
@@ -251,9 +261,9 @@ class ParamStore:
         self.stats["fetches"] += 1
         return torch.from_numpy(cell)
 
-    def gather_from(self, t: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    def gather_from(self, t: torch.Tensor, handle: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
         """The whole parameter, from the shard a fetch started reading."""
-        e = self._require(t)
+        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
         with self._lock:
             fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
         if fetched is None or fetched[0] is not e:
@@ -277,13 +287,10 @@ class ParamStore:
             flat = shard
         return flat[: e.numel].view(e.shape)
 
-    def reduce_grad(self, pid: int, g: torch.Tensor) -> None:
-        """Add this step's gradient of parameter `pid` (whole, from this rank's batch) into the
+    def reduce_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
+        """Add this step's gradient of parameter `t` (whole, from this rank's batch) into the
         shard's gradient; over ranks, the mean (as DDP and DeepSpeed do)."""
-        e = self._entries.get(pid)
-        if e is None:
-            raise ZinfError(f"zinf: a graph reduces the gradient of parameter #{pid}, which the store "
-                            "does not manage")
+        e = self._require(t)
         flat = g.detach().reshape(-1)
         if e.world > 1:
             padded = torch.zeros(e.shard_numel * e.world, dtype=g.dtype, device=g.device)

@@ -34,7 +34,12 @@ class SwapDir:
                 missing.append(p)
                 p = os.path.dirname(p)
             for d in reversed(missing):
-                os.mkdir(d)
+                try:
+                    os.mkdir(d)
+                except FileExistsError:  # another rank (or process) made it meanwhile: theirs
+                    if not os.path.isdir(d):
+                        raise NotADirectoryError(f"{d!r} exists and is not a directory") from None
+                    continue
                 self._created.append(d)
             self.path = os.path.join(offload_dir, f"zinf-{os.getpid()}-{secrets.token_hex(4)}")
             os.mkdir(self.path)
