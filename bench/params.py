@@ -43,7 +43,6 @@ import tempfile
 import time
 
 MiB = 2**20
-MARK = "BENCH-PARAMS-RESULT "
 CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r")
 LIMIT = 1.25
 STATE_FACTOR = 4.0
@@ -170,8 +169,9 @@ def _bandwidth(folder: str, mib: int = 256) -> dict:
 
 def _run(name: str, args, env: dict) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="zinf-bench-params-")
+    results = tempfile.mkdtemp(prefix="zinf-bench-results-")
     base = ["-m", "bench.params", "--worker", "zinf-nvme" if name.startswith("zinf") else name,
-            "--budget", args.budget, "--offload-dir", tmp]
+            "--budget", args.budget, "--offload-dir", tmp, "--result-dir", results]
     for k in DEFAULTS:
         base += [f"--{k}", str(getattr(args, k))]
     if name.endswith("-2r"):
@@ -184,14 +184,16 @@ def _run(name: str, args, env: dict) -> list[dict]:
     wall = time.perf_counter() - t0
     left = [f for _, _, fs in os.walk(tmp) for f in fs]
     shutil.rmtree(tmp, ignore_errors=True)
-    lines = [ln[ln.index(MARK) + len(MARK):] for ln in proc.stdout.splitlines() if MARK in ln]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
+    files = sorted(os.listdir(results))
     out = []
-    for ln in lines:
-        r = json.loads(ln)
+    for fn in files:
+        with open(os.path.join(results, fn)) as f:
+            r = json.load(f)
         r.update(contender=name, process_wall_s=wall, files_left=left)
         out.append(r)
+    shutil.rmtree(results, ignore_errors=True)
+    if proc.returncode != 0 or not out:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
     return out
 
 
@@ -333,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(MARK + json.dumps(worker(args)), flush=True)
+        res = worker(args)
+        with open(os.path.join(args.result_dir, f"rank{res['rank']}.json"), "w") as f:
+            json.dump(res, f)  # one file per rank: torchrun interleaves the ranks' stdout
         return 0
     return parent(args)
 

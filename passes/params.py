@@ -25,10 +25,10 @@ from .base import PassReport
 
 
 def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True,
-               engine: int = 0) -> dict:
+               engine: int = 0, master: str | None = None) -> dict:
     """The meta a managed parameter's placeholder carries (the analysis counts `resident_bytes`)."""
     return {"kind": "param", "name": name, "pid": pid, "resident_bytes": resident_bytes, "tier": tier,
-            "requires_grad": requires_grad, "engine": engine}
+            "requires_grad": requires_grad, "engine": engine, "master": master}
 
 
 def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict],
@@ -119,7 +119,9 @@ class InsertGathers:
             if not users:
                 continue
             with graph.inserting_before(users[0]):
-                g = graph.call_function(gather, (p, meta["engine"], meta["tier"]))
+                # the tier argument also names the master dtype of a parameter taken over at run time
+                where = meta["tier"] + (f",{meta['master']}" if meta.get("master") else "")
+                g = graph.call_function(gather, (p, meta["engine"], where))
             g.meta["val"] = _fake_gather(p)
             g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
             if recompute:

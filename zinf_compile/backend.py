@@ -127,7 +127,7 @@ class ZinfPartitioner(CustomPartitionerFn):
 
         s = self.session
         managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad,
-                                          s.engine_key) for _, info in chosen}
+                                          s.engine_key, s.cfg.master_dtype) for _, info in chosen}
         # over several ranks, the gradients of resident parameters are averaged as DDP does
         chosen_ids = {info.index for _, info in chosen}
         allreduce = [info.index for info in s.params if info.requires_grad and info.index not in chosen_ids] \
@@ -186,7 +186,7 @@ class ZinfPostGrad(_PostGradPass):
             reports = []
             if chosen:
                 managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
-                                         s.engine_key) for n, info in chosen}
+                                         s.engine_key, s.cfg.master_dtype) for n, info in chosen}
                 reports.append(InsertGathers()(graph, managed, recompute=False))
                 if prefetch:
                     reports += _prefetch_gathers(s, [graph])
@@ -285,7 +285,11 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
         return 0
     from zinf_compile.runtime.params import world
 
-    return -(-info.nbytes // world()[1])
+    nbytes = info.nbytes
+    if s.cfg.master_dtype:  # the shard is kept in the master dtype
+        nbytes = nbytes // getattr(torch, info.dtype.removeprefix("torch.")).itemsize \
+            * getattr(torch, s.cfg.master_dtype).itemsize
+    return -(-nbytes // world()[1])
 
 
 def _agree_min(value: int) -> int:
@@ -318,9 +322,12 @@ def _take_over(s: Session, infos: list[ParamInfo]) -> None:
 
     from zinf_compile.runtime.params import STORE
 
+    if infos:
+        STORE.budget = min(STORE.budget or s.budget, s.budget)  # sizes the optimizer's NVMe chunks
     with unset_fake_temporarily(), torch.no_grad():  # the partitioner runs under the compile's fake mode
         for info in infos:
-            STORE.manage(info.pid, s.tier, s.engine_key)
+            STORE.manage(info.pid, s.tier, s.engine_key,
+                         getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else None)
 
 
 def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:

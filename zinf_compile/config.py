@@ -42,9 +42,13 @@ class ZinfConfig:
     # with them resident; "offload" always (every parameter of PERSIST_BYTES or more); "resident"
     # never. Managed parameters live in the offload tier, sharded over the default process group.
     params: str = "auto"
+    # Mixed precision as ZeRO does it: under a bf16/fp16 model, managed parameters keep float32
+    # master shards (and gradients and optimizer states) in their tier; gathers hand the graph the
+    # model's dtype. None: shards in the parameter's own dtype.
+    master_dtype: str | None = None
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
-               "malloc_mmap_threshold", "cache", "params")
+               "malloc_mmap_threshold", "cache", "params", "master_dtype")
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
@@ -88,6 +92,10 @@ class ZinfConfig:
         params = options.get("params", "auto")
         if params not in ("auto", "offload", "resident"):
             raise ZinfConfigError(f"params: expected 'auto', 'offload' or 'resident', got {params!r}")
+        master = options.get("master_dtype")
+        master = {"fp32": "float32", "float": "float32"}.get(master, master)
+        if master not in (None, "float32", "float64"):
+            raise ZinfConfigError(f"master_dtype: expected 'float32' (or None), got {options.get('master_dtype')!r}")
         profile = options.get("profile", "auto")
         if not isinstance(profile, str):
             raise ZinfConfigError(f"profile: expected a profile name or a JSON path, got {profile!r}")
@@ -104,6 +112,7 @@ class ZinfConfig:
             cache=bool(options.get("cache", False)),
             dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
             params=params,
+            master_dtype=master,
         )
 
     def tier_for(self, device_type: str) -> str:

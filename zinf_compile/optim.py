@@ -469,7 +469,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         g = self._plain.param_groups[self._layout.where[id(p)][2]]
         st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
         for name in rec.names:
-            buf = torch.empty(e.shard_numel, dtype=e.dtype)
+            buf = torch.empty(e.shard_numel, dtype=e.shard_dtype)
             e.engine.read_file(e.state_fd(name), buf)
             st[name] = buf
         return "shard", st
@@ -523,7 +523,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for name in names:
             v = st[name]
             v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, name)
-            v = v.detach().to(device="cpu", dtype=e.dtype).contiguous()
+            v = v.detach().to(device="cpu", dtype=e.shard_dtype).contiguous()
             e.engine.write_file(e.state_fd(name), v)
         self._nvme_state[id(e)] = _NvmeState(step, names)
 
@@ -568,6 +568,14 @@ class ZinfOptimizer(torch.optim.Optimizer):
         chunk = int(self.chunk_elems)
         if chunk <= 0 or chunk % _ALIGN_ELEMS:
             raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk}")
+        from zinf_compile.runtime.params import STORE
+
+        if STORE.budget and chunk == DEFAULT_CHUNK_ELEMS:
+            # the step runs between training steps, when the graph's memory is free: its ring of
+            # chunk buffers (3 slots x param, grad and up to 3 states, fp32 at most) takes at most
+            # half of the budget the graphs were planned for
+            fit = STORE.budget // (2 * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
+            chunk = max(_ALIGN_ELEMS, min(chunk, fit))
         work = []
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:
@@ -587,7 +595,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             return
         chunks = [(w, start, min(chunk, w.entry.shard_numel - start))
                   for w in work for start in range(0, w.entry.shard_numel, chunk)]
-        width = max(w.entry.dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
+        width = max(w.entry.shard_dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
         used = ("param", "grad") + tuple(n for n in _NVME_STATES if any(n in w.names for w in work))
         ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
         pool = self._executor
@@ -596,9 +604,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
         def views(i):
             w, start, n = chunks[i]
-            nbytes = n * w.entry.dtype.itemsize
+            nbytes = n * w.entry.shard_dtype.itemsize
             slot = ring[i % len(ring)]
-            return {k: slot[k][:nbytes].view(w.entry.dtype) for k in ("param", "grad") + w.names}
+            return {k: slot[k][:nbytes].view(w.entry.shard_dtype) for k in ("param", "grad") + w.names}
 
         def submit_read(i):
             prev = writes.pop(i - len(ring), None)  # that chunk's buffers are this one's
@@ -606,7 +614,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 _wait_all(prev)
             w, start, n = chunks[i]
             v = views(i)
-            off = start * w.entry.dtype.itemsize
+            off = start * w.entry.shard_dtype.itemsize
             futs = [pool.submit(w.engine.read_file, w.entry.fd, v["param"], off),
                     pool.submit(w.engine.read_file, w.entry.grad_fd, v["grad"], off)]
             for name in w.names:
@@ -618,7 +626,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
         def submit_write(i, v):
             w, start, n = chunks[i]
-            off = start * w.entry.dtype.itemsize
+            off = start * w.entry.shard_dtype.itemsize
             writes[i] = [pool.submit(w.engine.write_file, w.entry.fd, v["param"], off)] + [
                 pool.submit(w.engine.write_file, w.fds[name], v[name], off) for name in w.names]
 

@@ -62,6 +62,13 @@ class Entry:
     has_grad: bool = False
     state_fds: dict = field(default_factory=dict)  # optimizer states in files (nvme tier)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # the shard's (and its gradient's and optimizer states') dtype: fp32 master shards under a
+    # bf16/fp16 model (mixed precision as ZeRO does it); the gathered copy has `dtype`
+    master_dtype: torch.dtype | None = None
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self.master_dtype or self.dtype
 
     @property
     def numel(self) -> int:
@@ -73,7 +80,7 @@ class Entry:
 
     @property
     def shard_nbytes(self) -> int:
-        return self.shard_numel * self.dtype.itemsize
+        return self.shard_numel * self.shard_dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +99,7 @@ class Entry:
     # -- the shard's bytes, wherever they live --------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:
         pin = self.device.type == "cuda"
-        return torch.empty(self.shard_numel, dtype=self.dtype, pin_memory=pin)
+        return torch.empty(self.shard_numel, dtype=self.shard_dtype, pin_memory=pin)
 
     def read_shard(self) -> torch.Tensor:
         """The shard as a fresh flat host tensor."""
@@ -103,7 +110,7 @@ class Entry:
         return out
 
     def write_shard(self, flat: torch.Tensor) -> None:
-        flat = flat.detach().reshape(-1).to("cpu")
+        flat = flat.detach().reshape(-1).to("cpu", self.shard_dtype)
         if self.tier == "cpu":
             if self.shard is None:
                 self.shard = self._host_buffer()
@@ -149,6 +156,7 @@ class ParamStore:
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
         self._tickets = itertools.count(1)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
+        self.budget: int | None = None  # the smallest budget a compile managed parameters under
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,8 +196,9 @@ class ParamStore:
     def entries(self) -> list[Entry]:
         return sorted(self._entries.values(), key=lambda e: e.index)
 
-    def manage(self, pid: int, tier: str, engine_key: int) -> Entry:
-        """Take parameter `pid` over: copy this rank's shard to its tier, free its storage."""
+    def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None) -> Entry:
+        """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
+        given), free its storage."""
         with self._lock:
             e = self._entries.get(pid)
             if e is not None:
@@ -202,10 +211,11 @@ class ParamStore:
                 raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
             rank, size = world()
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
-                      param.requires_grad, rank, size, tier, engine_key, weakref.ref(param))
+                      param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
+                      master_dtype=master_dtype if master_dtype != param.dtype else None)
             lo, hi = e.shard_range()
             flat = param.detach().reshape(-1)
-            shard = torch.zeros(e.shard_numel, dtype=param.dtype, device=param.device)
+            shard = torch.zeros(e.shard_numel, dtype=e.shard_dtype, device=param.device)
             n = max(0, min(hi, e.numel) - lo)
             shard[:n] = flat[lo:lo + n]
             e.write_shard(shard)
@@ -233,8 +243,10 @@ class ParamStore:
         reach the graph's gathers still whole."""
         e = self.entry(t)
         if e is None:
+            tier, _, master = tier.partition(",")
             with torch.no_grad():
-                e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key)
+                e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key,
+                                getattr(torch, master) if master else None)
         return e
 
     def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
@@ -279,7 +291,7 @@ class ParamStore:
 
     def full(self, e: Entry, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
-        shard = (e.read_shard() if shard is None else shard).to(e.device, non_blocking=True)
+        shard = (e.read_shard() if shard is None else shard).to(e.dtype).to(e.device, non_blocking=True)
         if e.world > 1:
             flat = torch.empty(e.shard_numel * e.world, dtype=e.dtype, device=e.device)
             dist.all_gather_into_tensor(flat, shard)
@@ -300,7 +312,8 @@ class ParamStore:
             part.div_(e.world)
         else:
             part = flat
-        part = part.to("cpu", copy=True) if part.device.type != "cpu" or part is flat else part
+        part = part.to("cpu", e.shard_dtype, copy=True) if part.device.type != "cpu" or part is flat \
+            else part.to(e.shard_dtype)
         with e.lock:
             prev = e.read_grad()
             e.write_grad(part if prev is None else prev.add_(part))
