@@ -317,10 +317,12 @@ def _draw(summary, budget, states, path) -> None:
         ax.text(b.get_x() + b.get_width() / 2, h + g, f"+{g:.0f} MiB\n({g * MiB / budget:.2f}x budget)",
                 ha="center", va="bottom", fontsize=8)
     vals = [h + g for h, g in zip(held, growth)]
-    ax.axhline(budget / MiB, color="#e76f51", lw=1.2, label=f"budget {budget / MiB:.0f} MiB")
+    for i, h in enumerate(held):  # the budget bounds the growth: drawn on top of what is held
+        ax.hlines(h + budget / MiB, i - 0.45, i + 0.45, color="#e76f51", lw=1.4,
+                  label=f"held + budget ({budget / MiB:.0f} MiB)" if i == 0 else None)
     ax.set_ylabel("peak RSS over the empty process, per rank (MiB)")
     ax.set_title(f"params + grads + AdamW states {states / MiB:.0f} MiB = {states / budget:.1f}x budget", fontsize=9)
-    ax.set_ylim(0, max(vals + [LIMIT * budget / MiB]) * 1.25)
+    ax.set_ylim(0, max(vals + [h + budget / MiB for h in held]) * 1.25)
     ax.legend(fontsize=8, loc="upper right", frameon=False)
     fig.savefig(path + ".tmp", format="png")
     os.replace(path + ".tmp", path)
