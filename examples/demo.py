@@ -1,8 +1,10 @@
 """`make demo`: train a small GPT on the CPU under a budget smaller than its footprint.
 
-The activations saved for backward that do not fit go to NVMe swap files in a temporary folder
-and come back ahead of their use in backward. Losses are compared with eager PyTorch, the plan
-report and pictures are written to --out, and the swap folder is checked empty at the end.
+The large parameters are sharded to NVMe (gathered around their uses, fetched ahead; their
+gradients and AdamW states live in files and zinf's optimizer streams through them), and the
+activations saved for backward that do not fit go to NVMe swap files and come back ahead of their
+use. Losses are compared with eager PyTorch, the plan report and pictures are written to --out,
+and the swap folder is checked empty at the end.
 """
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ from zinf_compile.units import format_bytes  # noqa: E402
 MODEL = dict(batch=8, seq=128, layers=4, hidden=256, heads=4, vocab=1024)
 
 
-def train(model, inputs, steps: int) -> tuple[list[float], float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def train(model, inputs, steps: int, opt) -> tuple[list[float], float]:
     losses, t0 = [], time.perf_counter()
     for _ in range(steps):
         loss = model(*inputs).loss
@@ -57,13 +58,14 @@ def main() -> int:
 
     model, inputs = build(**MODEL)
     ref_model, _ = build(**MODEL)
-    eager_losses, eager_s = train(ref_model, inputs, args.steps)
+    eager_losses, eager_s = train(ref_model, inputs, args.steps, torch.optim.AdamW(ref_model.parameters(), lr=1e-3))
 
     swap_root = tempfile.mkdtemp(prefix="zinf-demo-swap-")
-    opts = {"budget": budget, "offload": "nvme", "offload_dir": swap_root}
+    opts = {"budget": budget, "offload": "nvme", "offload_dir": swap_root, "params": "offload"}
     print(f"  compiling with backend='zinf', options={opts} (Inductor on 2 cores takes a minute)", flush=True)
     compiled = torch.compile(model, backend="zinf", options=opts)
-    zinf_losses, zinf_s = train(compiled, inputs, args.steps)
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    zinf_losses, zinf_s = train(compiled, inputs, args.steps, opt)
 
     plans = [p for p in zinf_compile.last_plans() if "backward" in p.graphs]
     os.makedirs(args.out, exist_ok=True)
@@ -80,7 +82,7 @@ def main() -> int:
         print(f"  {k}: {v}")
     print(f"  time for {args.steps} steps: eager {eager_s:.2f} s, zinf {zinf_s:.2f} s (includes compiling)")
 
-    del compiled, model
+    del compiled, model, opt
     from zinf_compile.runtime import close_all
 
     close_all()

@@ -157,3 +157,18 @@ def test_plan_inference_params_offload(tmp_path):
     assert plan.graphs == ("inference",) and len(plan.params) == 4
     counts = plan.action_counts()
     assert counts["gather"] == counts["release"] == 4 and "reduce" not in counts
+
+
+def test_plan_with_activation_offloads_and_managed_parameters(tmp_path):
+    """Both levers in one plan: the parameters' traffic adds to the activations' in bytes_moved."""
+    assert main(["plan", GPT, "--arg", "batch=4", "--arg", "seq=64", "--arg", "layers=2", "--arg", "hidden=128",
+                 "--budget", "6MiB", "--target", "cpu", "--params", "offload", "--out", str(tmp_path),
+                 "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    counts = plan.action_counts()
+    assert counts.get("offload", 0) > 0 and counts.get("gather", 0) > 0
+    activations = sum(2 * a.nbytes for a in plan.actions if a.kind == "offload")
+    params = sum(p.shard_nbytes for a in plan.actions if a.kind in ("gather", "reduce")
+                 for p in plan.params if -1 - p.pid == a.group)
+    assert plan.bytes_moved["nvme"] == activations + params
+    assert plan.peak_after <= plan.budget

@@ -218,6 +218,8 @@ def with_param_actions(plan: Plan, facts: GraphFacts, params: dict, profile: Dev
         times = np.cumsum([0.0] + [st.est_time_s for st in facts.steps])
         fetched_at: dict[int, int] = {}
         for a in actions:  # in step order
+            if a.group >= 0:
+                continue  # an activation's offload/prefetch/wait: simulated by make_plan already
             mp = params[-1 - a.group]
             if a.kind == "fetch":
                 fetched_at[a.group] = a.step
