@@ -103,6 +103,23 @@ def _fake_gather(p: fx.Node):
         return torch.empty_like(val, memory_format=torch.contiguous_format)
 
 
+_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+
+
+def _whole_copies(g: fx.Node) -> list[fx.Node]:
+    """The gather and the single-input views and casts of it (a transpose for a matmul, autocast's
+    bf16 copy): each is the whole parameter again, so each is recomputed in backward, never saved."""
+    out, todo = [], [g]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        for u in n.users:
+            if (u.op == "call_function" and len(u.all_input_nodes) == 1
+                    and (u.target in _CASTS or getattr(u.target, "is_view", False))):
+                todo.append(u)
+    return out
+
+
 @dataclass(frozen=True)
 class InsertGathers:
     name: str = "insert-gathers"
@@ -124,9 +141,10 @@ class InsertGathers:
                 g = graph.call_function(gather, (p, meta["engine"], where))
             g.meta["val"] = _fake_gather(p)
             g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
-            if recompute:
-                g.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             p.replace_all_uses_with(g, delete_user_cb=lambda u, g=g: u is not g)
+            if recompute:
+                for n in _whole_copies(g):
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             changes.append(f"gather {meta['name']} before {users[0].name}")
         graph.lint()
         return PassReport(self.name, tuple(changes), {"gathers": len(changes)} if changes else {})
@@ -234,7 +252,8 @@ class PrefetchGathers:
         for g in gathers:
             p = g.args[0]
             val = p.meta["val"]
-            nbytes = int(val.numel()) * val.element_size()
+            master = p.meta.get("zinf", {}).get("master")  # the shard is read in its master dtype
+            nbytes = int(val.numel()) * (getattr(torch, master).itemsize if master else val.element_size())
             need, hidden, at = read_time(nbytes), 0.0, pos[g]
             floor = max(floor, pos[p], last_placeholder)
             while at - 1 > floor and hidden < need:

@@ -46,6 +46,21 @@ def batch(seed):
     return torch.randint(0, VOCAB, (4, 16), generator=g), torch.randint(0, VOCAB, (4, 16), generator=g)
 
 
+def whole_parameters_saved(fw) -> list[str]:
+    """Forward outputs saved for backward that are a gathered parameter, or a single-input chain
+    (views, casts) from one."""
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    found = []
+    for a in out.args[0]:
+        n = a
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and not is_gather(n) \
+                and len(n.all_input_nodes) == 1:
+            n = n.all_input_nodes[0]
+        if isinstance(n, torch.fx.Node) and is_gather(n):
+            found.append(a.name)
+    return found
+
+
 def grads_of(model):
     """name -> the whole gradient, from p.grad or from the store's shard."""
     out = {}
@@ -138,22 +153,32 @@ def test_gathers_stand_next_to_their_use_and_are_not_saved(run):
             between = nodes[nodes.index(n) + 1:nodes.index(first_user)]
             # nothing heavy between a gather and its first use (only zinf ops or views may sit there)
             assert all(getattr(b.target, "namespace", "") == "zinf" or b.op != "call_function"
-                       or "view" in str(b.target) or "permute" in str(b.target) or "t." in str(b.target)
-                       for b in between), (role, n.name, [b.name for b in between])
-    fw_out = next(iter(graphs["forward"].graph.find_nodes(op="output")))
-    saved = [a for a in fw_out.args[0] if hasattr(a, "target")]
-    assert not any(is_gather(a) for a in saved), "a whole parameter is saved for backward"
+                       or getattr(b.target, "is_view", False) for b in between), \
+                (role, n.name, [b.name for b in between])
+    assert not whole_parameters_saved(graphs["forward"])
     reduces = list(graphs["backward"].graph.find_nodes(op="call_function", target=reduce_grad))
     assert len(reduces) == 2
 
 
-def test_release_gives_the_parameter_back(run):
+def test_full_gathers_the_parameter_and_release_gives_it_back(run):
     ref, model = run["ref"], run["model"]
     with torch.no_grad():
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             e = STORE.entry(p)
             if e is not None:
                 assert torch.equal(STORE.full(e), q), n
+    p = nn.Parameter(torch.randn(128, 128))
+    before = p.detach().clone()
+    STORE.manage(STORE.identify(p, "p"), "nvme", next(_engines()))
+    assert p.untyped_storage().nbytes() == 0
+    STORE.release(p)
+    assert not STORE.is_managed(p) and torch.equal(p.detach(), before)
+
+
+def _engines():
+    from zinf_compile.runtime import engine
+
+    return (k for k, e in engine._ENGINES.items() if e.tier == "nvme")
 
 
 def test_inference_graph_gathers_without_gradients(offload_root):
@@ -289,3 +314,91 @@ def test_mixed_precision_keeps_float32_master_shards(tier, offload_root):
     state = zinf_compile.full_state_dict(model)
     for k, v in ref.state_dict().items():
         assert state[k].dtype == torch.bfloat16 and torch.equal(state[k], v), k
+
+
+def test_a_parameter_sharing_its_storage_is_never_taken_over(offload_root):
+    base = torch.randn(2, 128, 128)
+    a, b = nn.Parameter(base[0]), nn.Parameter(base[1])  # views of one storage
+    from zinf_compile.runtime.engine import register_engine
+
+    register_engine(987655, "nvme", offload_root, 2, False)
+    with pytest.raises(ZinfError, match="shares its storage"):
+        STORE.manage(STORE.identify(b, "b"), "nvme", 987655)
+    assert torch.equal(b.detach(), base[1]) and torch.equal(a.detach(), base[0])
+
+
+def test_graph_break_and_budget_retries_keep_every_shard_intact(offload_root):
+    """Two graphs (a graph break), each planned by retrying choices under a tight budget: a
+    retry's failure must not close the swap folder holding the first graph's shards."""
+    class TwoHalves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+            self.b = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    model, ref = TwoHalves(), TwoHalves()
+    x = torch.randn(32, 64)
+    cm = torch.compile(model, backend="zinf", options={"offload": "nvme", "offload_dir": offload_root,
+                                                       "budget": "120KB"})
+    with torch.no_grad():
+        expect = torch.compile(ref)(x)
+        first, second = cm(x), cm(x)
+    assert STORE.is_managed(model.a[0].weight) and STORE.is_managed(model.b[0].weight)
+    assert torch.equal(first, expect) and torch.equal(second, expect)
+
+
+def test_a_parameter_updated_in_place_by_the_graph_stays_resident(offload_root):
+    class Decay(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(128, 128))
+
+        def forward(self, x):
+            self.w.mul_(0.5)
+            return x @ self.w
+
+    model = Decay()
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
+                                                       "offload_dir": offload_root})
+    x = torch.ones(2, 128)
+    with torch.no_grad():
+        sums = [cm(x).sum().item() for _ in range(3)]
+    assert sums == [128 * 128 * 2 * 0.5, 128 * 128 * 2 * 0.25, 128 * 128 * 2 * 0.125]
+    assert not STORE.is_managed(model.w)
+
+
+def test_autocast_does_not_save_bf16_copies_of_gathered_weights(offload_root):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "cpu",
+                                                       "offload_dir": offload_root})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = cm(torch.randn(16, 128))
+    y.float().square().mean().backward()
+    rec = [r for r in zinf_compile.compiles() if "backward" in r.plan.graphs][-1]
+    assert STORE.is_managed(model[0].weight) and STORE.is_managed(model[2].weight)
+    assert whole_parameters_saved(rec.graphs["forward"]) == []
+
+
+def test_a_parameter_compiled_resident_is_not_taken_over_later(offload_root):
+    """A graph compiled while a parameter fitted keeps reading it directly (Dynamo's guards do not
+    look at storage): a later compile that would need it managed says so instead of breaking it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    cm = torch.compile(model, backend="zinf", options={"offload": "nvme", "offload_dir": offload_root,
+                                                       "budget": "180KB"}, dynamic=False)
+    with torch.no_grad():
+        cm(torch.randn(4, 64))  # fits with the parameters resident
+    assert not STORE.is_managed(model[0].weight)
+    with pytest.raises(Exception) as info, torch.no_grad():
+        cm(torch.randn(64, 64))  # a recompile that would need them managed
+    assert "reads them directly" in str(info.value) and "torch._dynamo.reset()" in str(info.value)
+    assert not STORE.is_managed(model[0].weight)
+    with torch.no_grad():
+        cm(torch.randn(4, 64))  # the first graph still runs

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's 
 
 from zinf_compile import records
 from zinf_compile.config import ZinfConfig
-from zinf_compile.errors import BudgetError
+from zinf_compile.errors import BudgetError, ZinfError
 from zinf_compile.pipeline import plan_and_rewrite
 from zinf_compile.runtime.engine import get_engine, register_engine
 
@@ -47,6 +48,9 @@ class ParamInfo:
     dtype: str
     requires_grad: bool
     managed: bool  # already managed (an earlier compile took it over)
+    # False when zinf must leave it resident: it shares its storage with other tensors (freeing
+    # it would free them), or an earlier compiled graph reads it directly (see _pin_resident)
+    manageable: bool = True
 
 
 @functools.lru_cache(None)
@@ -86,7 +90,7 @@ class Session:
         n_world = world()[1]
         budget = cfg.budget if cfg.budget is not None else _free_device_memory(device)
         if cfg.budget is None and n_world > 1:
-            budget = _agree_min(budget)  # every rank must make the same plan: the same collectives
+            budget = _shared_default_budget(device, n_world)  # every rank must make the same plan
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
@@ -210,8 +214,13 @@ def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
     the parameters as they are, then the fewest (largest first) that free the shortfall, then every
     parameter of PERSIST_BYTES or more. attempt raises BudgetError when a choice does not fit."""
     cands = _match_params(primals, s.params)
+    if not cands and any(info.managed for info in s.params):
+        raise ZinfError("zinf: this graph's inputs do not line up with its parameters (AOT deduplicated "
+                        "some?), but some are managed and must be gathered; call torch._dynamo.reset()")
     forced = [c for c in cands if c[1].managed]
-    big = [c for c in cands if c[1].nbytes >= PERSIST_BYTES or c[1].managed]
+    big = [c for c in cands if c[1].managed or (c[1].nbytes >= PERSIST_BYTES and c[1].manageable
+                                                 and not _mutated(c[0]))]
+    pinned = [c for c in cands if not c[1].manageable and c[1].nbytes >= PERSIST_BYTES]
     if s.cfg.params == "offload":
         tries = [big]
     elif s.cfg.params == "resident" or not big:
@@ -234,12 +243,35 @@ def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
                 continue
         last = i == len(tries) - 1
         try:
-            return attempt(chosen, last)
+            out = attempt(chosen, last)
         except BudgetError as e:
-            if last:
-                raise
-            err = e
+            if not last:
+                err = e
+                continue
+            if pinned:
+                raise BudgetError(e.budget, e.lower_bound, e.best_peak, detail=(
+                    f"{len(pinned)} large parameter(s) stay resident because a graph compiled earlier (when "
+                    "they fitted) reads them directly; call torch._dynamo.reset() before this compile or "
+                    "compile with options={'params': 'offload'} from the start.")) from None
+            raise
+        _pin_resident(c[1] for c in cands if c not in chosen and c[1].nbytes >= PERSIST_BYTES)
+        return out
     raise err  # pragma: no cover  (the last try raises)
+
+
+def _mutated(n: fx.Node) -> bool:
+    """The graph writes into this input (an in-place update of a parameter): it stays resident."""
+    return any(u.op == "call_function" and u.target is torch.ops.aten.copy_.default and u.args[0] is n
+               for u in n.users)
+
+
+def _pin_resident(infos) -> None:
+    """Parameters a compiled graph reads directly: later compiles must not take them over (Dynamo
+    would keep running that graph on their freed storage)."""
+    from zinf_compile.runtime.params import STORE
+
+    for info in infos:
+        STORE.pinned.add(info.pid)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -292,12 +324,16 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
     return -(-nbytes // world()[1])
 
 
-def _agree_min(value: int) -> int:
-    import torch.distributed as dist
+def _shared_default_budget(device: str, n_world: int) -> int:
+    """A default budget every rank computes alike without talking (ranks may compile different
+    numbers of graphs, so a collective here could hang): 90% of the device's capacity, the host's
+    RAM split over the ranks of this host on a CPU device."""
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * 0.9)
+    import psutil
 
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", n_world))
+    return int(psutil.virtual_memory().total * 0.9) // max(1, local)
 
 
 def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
@@ -317,6 +353,9 @@ def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
                               lambda b: 0 if frees else -(-b // n_world)) for g in graphs]
 
 
+_WARNED: list = []
+
+
 def _take_over(s: Session, infos: list[ParamInfo]) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -324,6 +363,13 @@ def _take_over(s: Session, infos: list[ParamInfo]) -> None:
 
     if infos:
         STORE.budget = min(STORE.budget or s.budget, s.budget)  # sizes the optimizer's NVMe chunks
+        if s.cfg.params == "auto" and not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(
+                f"zinf: {len(infos)} parameter(s) do not fit the budget and are sharded to the {s.tier} tier "
+                "(params='auto'); their gradients go to the shards, not to p.grad: step them with "
+                "zinf_compile.optimizer(model, cls, **kwargs) (a plain torch.optim optimizer or "
+                "clip_grad_norm_ would not see them).", stacklevel=2)
     with unset_fake_temporarily(), torch.no_grad():  # the partitioner runs under the compile's fake mode
         for info in infos:
             STORE.manage(info.pid, s.tier, s.engine_key,
@@ -345,8 +391,10 @@ def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
         if isinstance(x, torch.nn.Parameter) and not x.is_meta:
             name = names[i] if i < len(names) else f"param{i}"
             pid = STORE.identify(x, name)
+            exclusive = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
             out.append(ParamInfo(i, pid, name, x.numel() * x.element_size(), tuple(x.shape), str(x.dtype),
-                                 x.requires_grad, STORE.entry_by_id(pid) is not None))
+                                 x.requires_grad, STORE.entry_by_id(pid) is not None,
+                                 exclusive and pid not in STORE.pinned))
     return tuple(out)
 
 
@@ -389,8 +437,18 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         "custom_partitioner_fn": ZinfPartitioner(session),
         "post_grad_custom_post_pass": ZinfPostGrad(session),
     }
-    if cfg.cache:
-        return compile_fx(gm, example_inputs, config_patches=patches)
-    patches["fx_graph_cache"] = False
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+    from zinf_compile.runtime.params import STORE
+
+    before = {e.index for e in STORE.entries()}
+    try:
+        if cfg.cache:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        patches["fx_graph_cache"] = False
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+    except BaseException:
+        # the partitioner took parameters over, then something later failed: no graph will gather
+        # them, so give them their data back (Dynamo may run the model eagerly next)
+        for pid in {e.index for e in STORE.entries()} - before:
+            STORE.release_id(pid)
+        raise

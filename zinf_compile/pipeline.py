@@ -70,8 +70,12 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
             if cfg.verify:
                 peak = verify(ctx, num_fwd_outputs, p.name)
     except BaseException:
-        if session.engine.live_tickets() == 0:
-            session.engine.close()  # leave no empty swap folder behind a failed compile
+        eng = session.engine
+        if eng.live_tickets() == 0 and (eng._swap is None or eng._swap.file_count() == 0):
+            # leave no empty swap folder behind a failed compile (a BudgetError is also how a
+            # parameter choice is retried); a folder holding any file (parameter shards, optimizer
+            # states) stays: its descriptors are in use
+            eng.close()
         raise
     if not tier_frees_device(session.tier, session.device) and plan.moves():
         warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "

@@ -14,6 +14,7 @@ Deterministic: every choice breaks ties by step and buffer id.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from zinf_compile.analysis.facts import Gap, GraphFacts
 from zinf_compile.config import tier_frees_device
@@ -249,5 +250,7 @@ def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
                 continue
             val = n.meta["val"]
             nbytes = int(val.numel()) * val.element_size()
-            out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-nbytes // world), z["tier"], world)
+            master = z.get("master")  # the shard's dtype when it is an fp32 master of a bf16 parameter
+            shard = int(val.numel()) * (getattr(torch, master).itemsize if master else val.element_size())
+            out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-shard // world), z["tier"], world)
     return out

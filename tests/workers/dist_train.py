@@ -18,14 +18,15 @@ from zinf_compile.runtime.params import STORE
 
 def build():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 65))
+    # odd element counts (65 x 257 = 16705): the shards of 2 ranks are padded
+    return torch.nn.Sequential(torch.nn.Linear(65, 257), torch.nn.GELU(), torch.nn.Linear(257, 65))
 
 
 def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
-    x, y = torch.randn(32, 64), torch.randn(32, 65)
+    x, y = torch.randn(32, 65), torch.randn(32, 65)
     model = torch.compile(build(), backend="zinf",
                           options={"params": "offload", "offload": tier, "offload_dir": offload_dir})
     opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-2)

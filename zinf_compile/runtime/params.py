@@ -65,6 +65,7 @@ class Entry:
     # the shard's (and its gradient's and optimizer states') dtype: fp32 master shards under a
     # bf16/fp16 model (mixed precision as ZeRO does it); the gathered copy has `dtype`
     master_dtype: torch.dtype | None = None
+    file_nos: list = field(default_factory=list)  # swap-folder file numbers this entry holds
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -117,7 +118,7 @@ class Entry:
             self.shard.copy_(flat)
         else:
             if self.fd is None:
-                self.fd = self.engine.swap.acquire()[1]
+                self.fd = self._acquire()
             self.engine.write_file(self.fd, flat.contiguous())
 
     def read_grad(self) -> torch.Tensor | None:
@@ -134,14 +135,32 @@ class Entry:
             self.grad = flat
         else:
             if self.grad_fd is None:
-                self.grad_fd = self.engine.swap.acquire()[1]
+                self.grad_fd = self._acquire()
             self.engine.write_file(self.grad_fd, flat.contiguous())
         self.has_grad = True
 
     def state_fd(self, name: str) -> int:
         if name not in self.state_fds:
-            self.state_fds[name] = self.engine.swap.acquire()[1]
+            self.state_fds[name] = self._acquire()
         return self.state_fds[name]
+
+    def _acquire(self) -> int:
+        n, fd = self.engine.swap.acquire()
+        self.file_nos.append(n)
+        return fd
+
+    def close_files(self) -> None:
+        """Hand this entry's files (shard, gradient, optimizer states) back to the swap folder."""
+        try:
+            swap = self.engine._swap
+        except ZinfError:
+            return
+        if swap is not None:
+            for n in self.file_nos:
+                swap.release(n)
+        self.file_nos.clear()
+        self.fd = self.grad_fd = None
+        self.state_fds.clear()
 
 
 class ParamStore:
@@ -157,6 +176,7 @@ class ParamStore:
         self._tickets = itertools.count(1)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
         self.budget: int | None = None  # the smallest budget a compile managed parameters under
+        self.pinned: set[int] = set()  # ids of parameters a compiled graph reads directly
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -178,7 +198,9 @@ class ParamStore:
         with self._lock:
             if self._ids.get(k) == pid:
                 del self._ids[k]
-            self._entries.pop(pid, None)
+            e = self._entries.pop(pid, None)
+        if e is not None:
+            e.close_files()
 
     def pid(self, t: torch.Tensor) -> int | None:
         return self._ids.get(_key(t))
@@ -209,6 +231,9 @@ class ParamStore:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
             if param.untyped_storage().nbytes() < param.numel() * param.element_size():
                 raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
+            if param.storage_offset() != 0 or param.untyped_storage().nbytes() != param.numel() * param.element_size():
+                raise ZinfError(f"zinf: parameter {name!r} shares its storage with other tensors; freeing it "
+                                "would free them too, so it stays resident")
             rank, size = world()
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
@@ -218,11 +243,24 @@ class ParamStore:
             shard = torch.zeros(e.shard_numel, dtype=e.shard_dtype, device=param.device)
             n = max(0, min(hi, e.numel) - lo)
             shard[:n] = flat[lo:lo + n]
-            e.write_shard(shard)
+            try:
+                e.write_shard(shard)
+            except BaseException:
+                e.close_files()
+                raise
             del shard, flat
+            self._entries[pid] = e  # before the storage goes: a parameter is never freed unmanaged
             param.untyped_storage().resize_(0)
-            self._entries[pid] = e
+            if param.grad is not None:
+                # a gradient accumulated while the parameter was resident joins the shard's
+                grad, param.grad = param.grad, None
+                self.reduce_grad(param, grad, average=False)
             return e
+
+    def release_id(self, pid: int) -> None:
+        param = self._params.get(pid, lambda: None)()
+        if param is not None:
+            self.release(param)
 
     def release(self, param: torch.Tensor) -> None:
         """Give `param` its full data back and stop managing it (the inverse of `manage`)."""
@@ -235,6 +273,8 @@ class ParamStore:
         param.untyped_storage().resize_(e.nbytes)
         with torch.no_grad():
             param.copy_(full)
+        # the entry's files stay: an optimizer moves its states back from them at its next step;
+        # they go with the parameter (_forget_id) or the process
 
     # -- what the graph calls -----------------------------------------------------------------
     def adopt(self, t: torch.Tensor, engine_key: int, tier: str) -> Entry:
@@ -243,6 +283,9 @@ class ParamStore:
         reach the graph's gathers still whole."""
         e = self.entry(t)
         if e is None:
+            if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                raise ZinfError("zinf: a compiled graph gathers a parameter that shares its storage with other "
+                                "tensors (another instance of the model?); zinf cannot take it over")
             tier, _, master = tier.partition(",")
             with torch.no_grad():
                 e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key,
@@ -299,12 +342,18 @@ class ParamStore:
             flat = shard
         return flat[: e.numel].view(e.shape)
 
-    def reduce_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
+    def reduce_grad(self, t: torch.Tensor, g: torch.Tensor, average: bool = True) -> None:
         """Add this step's gradient of parameter `t` (whole, from this rank's batch) into the
-        shard's gradient; over ranks, the mean (as DDP and DeepSpeed do)."""
+        shard's gradient; over ranks, the mean (as DDP and DeepSpeed do). `average=False`: g is
+        already the mean over ranks (a resident parameter's .grad): just take this rank's part."""
         e = self._require(t)
         flat = g.detach().reshape(-1)
-        if e.world > 1:
+        if e.world > 1 and not average:
+            lo, hi = e.shard_range()
+            part = torch.zeros(e.shard_numel, dtype=g.dtype, device=g.device)
+            n = max(0, min(hi, e.numel) - lo)
+            part[:n] = flat[lo:lo + n]
+        elif e.world > 1:
             padded = torch.zeros(e.shard_numel * e.world, dtype=g.dtype, device=g.device)
             padded[: e.numel] = flat
             part = torch.empty(e.shard_numel, dtype=g.dtype, device=g.device)
