@@ -127,7 +127,8 @@ def test_plan_captured_resident_offload_and_fewest():
     """One capture, planned per --params choice (what `zinf plan` does after capturing)."""
     import pytest
 
-    from zinf_compile.capture import CapturedParam, _fewest, plan_captured, trace
+    from zinf_compile.capture import CapturedParam, plan_captured, trace
+    from zinf_compile.planner import _fewest
     from zinf_compile.cost import load_profile
     from zinf_compile.errors import BudgetError
 
@@ -146,8 +147,10 @@ def test_plan_captured_resident_offload_and_fewest():
     assert not any(n.meta.get("zinf") for n in c.joint.graph.nodes)
 
     big = [CapturedParam(i, f"p{i}", n, True) for i, n in enumerate((100, 400, 300, 200))]
-    assert [p.name for p in _fewest(big, 250)] == ["p1", "p2"]  # 400 + 300, less the largest whole: 300
-    assert len(_fewest(big, 1000)) == len(big)  # short of all: auto goes straight to managing all
+    size = lambda p: p.nbytes  # noqa: E731
+    assert [p.name for p in _fewest(big, [], 250, size)] == ["p1", "p2"]  # 400 + 300, less the largest: 300
+    assert len(_fewest(big, [], 1000, size)) == len(big)  # short of all: auto goes straight to managing all
+    assert [p.name for p in _fewest(big, [big[0]], 250, size)] == ["p0", "p1", "p2"]  # forced ones first
 
 
 def test_plan_inference_params_offload(tmp_path):

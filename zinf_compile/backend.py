@@ -28,6 +28,7 @@ from zinf_compile import records
 from zinf_compile.config import ZinfConfig
 from zinf_compile.errors import BudgetError, ZinfError
 from zinf_compile.pipeline import plan_and_rewrite
+from zinf_compile.planner import prefetch_param_gathers, try_param_choices
 from zinf_compile.runtime.engine import get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
@@ -120,7 +121,7 @@ class ZinfPartitioner(CustomPartitionerFn):
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
 
         def attempt(chosen, last):
-            return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs)
+            return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs), chosen
 
         return _try_param_choices(self.session, primals, attempt)
 
@@ -177,7 +178,7 @@ class ZinfPostGrad(_PostGradPass):
             is_inference = not out.meta.get(PLANNED)
         if is_inference and not out.meta.get(PLANNED):
             placeholders = list(graph.find_nodes(op="placeholder"))
-            _try_param_choices(self.session, placeholders, lambda chosen, last: self._plan(graph, chosen))
+            _try_param_choices(self.session, placeholders, lambda chosen, last: (self._plan(graph, chosen), chosen))
             out.meta[PLANNED] = True
         records.attach(graph, PinOrder()(graph))
 
@@ -212,7 +213,8 @@ class ZinfPostGrad(_PostGradPass):
 def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
     """Run attempt(chosen, last) on the cheapest choice of managed parameters that fits the budget:
     the parameters as they are, then the fewest (largest first) that free the shortfall, then every
-    parameter of PERSIST_BYTES or more. attempt raises BudgetError when a choice does not fit."""
+    parameter of PERSIST_BYTES or more. attempt(chosen, last) -> (result, chosen) raises BudgetError
+    when a choice does not fit (the choosing itself: planner.try_param_choices)."""
     cands = _match_params(primals, s.params)
     if not cands and any(info.managed for info in s.params):
         raise ZinfError("zinf: this graph's inputs do not line up with its parameters (AOT deduplicated "
@@ -221,42 +223,18 @@ def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
     big = [c for c in cands if c[1].managed or (c[1].nbytes >= PERSIST_BYTES and c[1].manageable
                                                  and not _mutated(c[0]))]
     pinned = [c for c in cands if not c[1].manageable and c[1].nbytes >= PERSIST_BYTES]
-    if s.cfg.params == "offload":
-        tries = [big]
-    elif s.cfg.params == "resident" or not big:
-        tries = [forced]
-    else:
-        tries = [forced, None, big]
-    err = None
-    for i, chosen in enumerate(tries):
-        if chosen is None:
-            need = max(err.lower_bound, err.best_peak) - err.budget
-            chosen = list(forced)
-            for c in sorted(big, key=lambda c: (-c[1].nbytes, c[1].index)):
-                # the largest chosen parameter is whole on the device while it is used
-                have = sum(x[1].nbytes for x in chosen) - max((x[1].nbytes for x in chosen), default=0)
-                if have >= need:
-                    break
-                if c not in chosen:
-                    chosen.append(c)
-            if len(chosen) == len(big):
-                continue
-        last = i == len(tries) - 1
-        try:
-            out = attempt(chosen, last)
-        except BudgetError as e:
-            if not last:
-                err = e
-                continue
-            if pinned:
-                raise BudgetError(e.budget, e.lower_bound, e.best_peak, detail=(
-                    f"{len(pinned)} large parameter(s) stay resident because a graph compiled earlier (when "
-                    "they fitted) reads them directly; call torch._dynamo.reset() before this compile or "
-                    "compile with options={'params': 'offload'} from the start.")) from None
+    try:
+        out = try_param_choices(s.cfg.params, big, forced, lambda c: c[1].nbytes, attempt)
+    except BudgetError as e:
+        if not pinned:
             raise
-        _pin_resident(c[1] for c in cands if c not in chosen and c[1].nbytes >= PERSIST_BYTES)
-        return out
-    raise err  # pragma: no cover  (the last try raises)
+        raise BudgetError(e.budget, e.lower_bound, e.best_peak, detail=(
+            f"{len(pinned)} large parameter(s) stay resident because a graph compiled earlier (when "
+            "they fitted) reads them directly; call torch._dynamo.reset() before this compile or "
+            "compile with options={'params': 'offload'} from the start.")) from None
+    chosen = out[1]
+    _pin_resident(c[1] for c in cands if c not in chosen and c[1].nbytes >= PERSIST_BYTES)
+    return out[0]
 
 
 def _mutated(n: fx.Node) -> bool:
@@ -337,20 +315,9 @@ def _shared_default_budget(device: str, n_world: int) -> int:
 
 
 def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
-    """Fetch NVMe-resident shards ahead of their gathers, as far as the cost model says hides the read."""
-    if s.tier != "nvme":
-        return []  # a CPU-tier shard is already in host memory: nothing to start early
-    from zinf_compile.config import tier_frees_device
-    from zinf_compile.cost import load_profile, step_cost
-    from zinf_compile.passes.params import PrefetchGathers
-    from zinf_compile.runtime.params import world
+    from zinf_compile.cost import load_profile
 
-    profile = load_profile(s.cfg.profile, s.device)
-    cost = step_cost(profile)
-    frees = tier_frees_device("cpu", s.device)  # the fetched shard lands in host memory
-    n_world = world()[1]
-    return [PrefetchGathers()(g, lambda n: cost(n)[1], lambda b: profile.transfer_time(-(-b // n_world), "nvme", "in"),
-                              lambda b: 0 if frees else -(-b // n_world)) for g in graphs]
+    return prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world)
 
 
 _WARNED: list = []

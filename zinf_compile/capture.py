@@ -235,46 +235,21 @@ def plan_captured(c: Captured, budget: int, profile, tier: str, params: str = "a
     on the device; "offload" manages every parameter of PERSIST_BYTES or more; "auto" tries
     resident, then the fewest (largest first) that close the shortfall, then all of them."""
     from zinf_compile.backend import PERSIST_BYTES
-    from zinf_compile.errors import BudgetError
+    from zinf_compile.planner import try_param_choices
     from zinf_compile.units import format_bytes
 
     if params not in PARAM_MODES:
         raise ZinfConfigError(f"params: expected one of {', '.join(PARAM_MODES)}, got {params!r}")
     big = [p for p in c.params if p.nbytes >= PERSIST_BYTES] if c.can_manage else []
-    if params == "offload":
-        tries: list = [big]
-    elif params == "resident" or not big:
-        tries = [[]]
-    else:
-        tries = [[], None, big]
     tried: list[str] = []
-    err: BudgetError | None = None
-    for i, chosen in enumerate(tries):
-        if chosen is None:  # the fewest parameters, largest first, that free the shortfall
-            chosen = _fewest(big, max(err.lower_bound, err.best_peak) - err.budget)
-            if len(chosen) == len(big):
-                continue
-        try:
-            return _plan_with(c, chosen, budget, profile, tier, device, tried)
-        except BudgetError as e:
-            tried.append(f"{_what(chosen, len(c.params))}: needs {format_bytes(max(e.lower_bound, e.best_peak))} "
-                         f"> budget {format_bytes(e.budget)}")
-            if i == len(tries) - 1:
-                raise
-            err = e
-    raise err  # pragma: no cover  (the last try raises)
 
+    def failed(chosen, e):
+        tried.append(f"{_what(chosen, len(c.params))}: needs {format_bytes(max(e.lower_bound, e.best_peak))} "
+                     f"> budget {format_bytes(e.budget)}")
 
-def _fewest(big: list[CapturedParam], need: int) -> list[CapturedParam]:
-    """As the backend: largest first until what they free, less the largest (gathered whole at
-    some point), covers `need`."""
-    chosen: list[CapturedParam] = []
-    for p in sorted(big, key=lambda p: (-p.nbytes, p.index)):
-        have = sum(x.nbytes for x in chosen) - max((x.nbytes for x in chosen), default=0)
-        if have >= need:
-            break
-        chosen.append(p)
-    return sorted(chosen, key=lambda p: p.index)
+    return try_param_choices(params, big, [], lambda p: p.nbytes,
+                             lambda chosen, _last: _plan_with(c, chosen, budget, profile, tier, device, tried),
+                             on_fail=failed)
 
 
 def _what(chosen: list[CapturedParam], n_params: int) -> str:
@@ -314,20 +289,10 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
 
 
 def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:
-    """As the backend: NVMe shards' reads start ahead of their gathers, as far as the cost model
-    says hides them (one rank offline)."""
-    if tier != "nvme":
-        return []  # a CPU-tier shard is already in host memory: nothing to start early
-    from zinf_compile.config import tier_frees_device
-    from zinf_compile.cost import step_cost
-    from zinf_compile.passes.params import PrefetchGathers
+    """As the backend (one rank offline)."""
+    from zinf_compile.planner import prefetch_param_gathers
 
-    cost = step_cost(profile)
-    frees = tier_frees_device("cpu", profile.device)  # the fetched shard lands in host memory
-    reports = []
+    reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device)
     for gm in graphs.values():
-        reports.append(PrefetchGathers()(gm.graph, lambda n: cost(n)[1],
-                                         lambda b: profile.transfer_time(b, "nvme", "in"),
-                                         lambda b: 0 if frees else b))
         gm.recompile()
     return reports

@@ -254,3 +254,62 @@ def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
             shard = int(val.numel()) * (getattr(torch, master).itemsize if master else val.element_size())
             out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-shard // world), z["tier"], world)
     return out
+
+
+def try_param_choices(mode: str, big: list, forced: list, nbytes, attempt, on_fail=None):
+    """The planner's choice of managed parameters, cheapest first, for the backend and `zinf plan`.
+
+    `big`: the parameters zinf may manage (those already managed among them), `forced`: those it
+    must. mode "offload": all of `big`; "resident": only `forced`; "auto": `forced`, then the fewest
+    more (largest first) that free the shortfall the failed plan reported, then all of `big`.
+    attempt(chosen, last) plans one choice and raises BudgetError when it does not fit;
+    on_fail(chosen, error) hears of each failed try. Items are opaque; nbytes(item) is their size."""
+    if mode == "offload":
+        tries: list = [big]
+    elif mode == "resident" or not big:
+        tries = [forced]
+    else:
+        tries = [forced, None, big]
+    err: BudgetError | None = None
+    for i, chosen in enumerate(tries):
+        if chosen is None:
+            chosen = _fewest(big, forced, max(err.lower_bound, err.best_peak) - err.budget, nbytes)
+            if len(chosen) == len(big):
+                continue
+        try:
+            return attempt(chosen, i == len(tries) - 1)
+        except BudgetError as e:
+            if on_fail is not None:
+                on_fail(chosen, e)
+            if i == len(tries) - 1:
+                raise
+            err = e
+    raise err  # pragma: no cover  (the last try raises)
+
+
+def _fewest(big: list, forced: list, need: int, nbytes) -> list:
+    """`forced` and then the largest of `big` until what they free, less the largest (gathered
+    whole while it is used), covers `need`; in `big`'s order."""
+    chosen = list(forced)
+    for c in sorted(big, key=lambda c: -nbytes(c)):  # stable: ties keep big's order
+        have = sum(map(nbytes, chosen)) - max(map(nbytes, chosen), default=0)
+        if have >= need:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    return [c for c in big if c in chosen]
+
+
+def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1) -> list:
+    """Fetch NVMe shards ahead of their gathers in each fx.Graph, as far as the cost model says
+    hides the read (PrefetchGathers); a CPU-tier shard is in host memory already: nothing to do."""
+    if tier != "nvme":
+        return []
+    from zinf_compile.cost import step_cost
+    from zinf_compile.passes.params import PrefetchGathers
+
+    cost = step_cost(profile)
+    frees = tier_frees_device("cpu", device)  # the fetched shard lands in host memory
+    return [PrefetchGathers()(g, lambda n: cost(n)[1],
+                              lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
+                              lambda b: 0 if frees else -(-b // world)) for g in graphs]
