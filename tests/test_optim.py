@@ -88,6 +88,16 @@ CASES = [
 ]
 
 
+
+def step_both(model, ref, opt, ref_opt, gen) -> None:
+    """The same random gradients into both models (the managed one through the store), one step each."""
+    grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
+    give_grads(model, grads)
+    for q, g in zip(ref.parameters(), grads):
+        q.grad = g.clone()
+    opt.step()
+    ref_opt.step()
+
 @pytest.mark.parametrize("tier,cls,kw", CASES, ids=[f"{t}-{c.__name__}-{i}" for i, (t, c, _) in enumerate(CASES)])
 def test_shards_step_like_whole_tensors(offload_root, tier, cls, kw):
     ref = small()
@@ -101,12 +111,7 @@ def test_shards_step_like_whole_tensors(offload_root, tier, cls, kw):
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
-        grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
-        give_grads(model, grads)
-        for q, g in zip(ref.parameters(), grads):
-            q.grad = g.clone()
-        opt.step()
-        ref_opt.step()
+        step_both(model, ref, opt, ref_opt, gen)
         sched.step()
         ref_sched.step()
         opt.zero_grad()
@@ -131,12 +136,7 @@ def test_state_follows_parameters_taken_over_and_released(offload_root, tier):
             manage(model, tier, offload_root)
         if i == 4:
             STORE.release(model[0].weight)
-        grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
-        give_grads(model, grads)
-        for q, g in zip(ref.parameters(), grads):
-            q.grad = g.clone()
-        opt.step()
-        ref_opt.step()
+        step_both(model, ref, opt, ref_opt, gen)
         opt.zero_grad()
         ref_opt.zero_grad()
         assert opt._layout.plain == (i not in (2, 3))
