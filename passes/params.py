@@ -40,11 +40,12 @@ def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs
     reports = []
     if managed:
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        reports.append(InsertGathers()(gm.graph, {primals[i]: m for i, m in managed.items()}, recompute=True))
+        reports.append(InsertGathers()(gm.graph, {primals[i]: m for i, m in managed.items()}, recompute=True,
+                                       world=world))
         # the joint graph returns the forward's outputs, then one gradient per primal, in order
         nfo = kwargs["num_fwd_outputs"]
         reports.append(ReduceGrads()(gm.graph, {nfo + i: (primals[i], m) for i, m in managed.items()
-                                                if m["requires_grad"]}))
+                                                if m["requires_grad"]}, world=world))
         gm.recompile()
     fw, bw = partition_fn(gm, joint_inputs, **kwargs)
     if managed:
@@ -104,6 +105,40 @@ def _fake_gather(p: fx.Node):
 
 
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+GATHER_PARTS = ("shard", "gather-part", "gather")  # node.meta["zinf"]["kind"] along a gather
+
+
+def _group_name() -> str:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group().group_name
+
+
+def _all_gather_chain(graph: fx.Graph, p: fx.Node, meta: dict, where: str, world: int) -> list[fx.Node]:
+    """shard(p) -> all_gather_into_tensor -> wait_tensor -> slice(numel) -> view(shape), each
+    with its fake value; the last is the whole parameter."""
+    from torch._guards import detect_fake_mode
+
+    from zinf_compile.runtime.ops import shard
+
+    c10d = torch.ops._c10d_functional
+    val = p.meta["val"]
+    numel, group = int(val.numel()), _group_name()
+    steps = [(shard, lambda prev: (p, meta["engine"], where)),
+             (c10d.all_gather_into_tensor.default, lambda prev: (prev, world, group)),
+             (c10d.wait_tensor.default, lambda prev: (prev,)),
+             (torch.ops.aten.slice.Tensor, lambda prev: (prev, 0, 0, numel)),
+             (torch.ops.aten.view.default, lambda prev: (prev, list(val.shape)))]
+    chain: list[fx.Node] = []
+    with detect_fake_mode([val]):
+        for target, args in steps:
+            n = graph.call_function(target, args(chain[-1] if chain else None))
+            fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args]
+            n.meta["val"] = target(*fake_args)
+            n.meta["zinf"] = {"kind": "shard" if not chain else "gather-part", "name": meta["name"],
+                              "pid": meta["pid"]}
+            chain.append(n)
+    return chain
 
 
 def _whole_copies(g: fx.Node) -> list[fx.Node]:
@@ -124,8 +159,10 @@ def _whole_copies(g: fx.Node) -> list[fx.Node]:
 class InsertGathers:
     name: str = "insert-gathers"
 
-    def __call__(self, graph: fx.Graph, managed: dict[fx.Node, dict], recompute: bool) -> PassReport:
-        """`managed`: placeholder -> param_meta(...)."""
+    def __call__(self, graph: fx.Graph, managed: dict[fx.Node, dict], recompute: bool, world: int = 1) -> PassReport:
+        """`managed`: placeholder -> param_meta(...). Over `world` > 1 ranks the gather is
+        shard(p) -> all_gather_into_tensor -> wait_tensor -> slice -> view, with torch's
+        functional collectives, which Inductor schedules."""
         from zinf_compile.runtime.ops import gather
 
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -135,15 +172,19 @@ class InsertGathers:
             users = sorted(p.users, key=order.get)
             if not users:
                 continue
+            # the tier argument also names the master dtype of a parameter taken over at run time
+            where = meta["tier"] + (f",{meta['master']}" if meta.get("master") else "")
             with graph.inserting_before(users[0]):
-                # the tier argument also names the master dtype of a parameter taken over at run time
-                where = meta["tier"] + (f",{meta['master']}" if meta.get("master") else "")
-                g = graph.call_function(gather, (p, meta["engine"], where))
-            g.meta["val"] = _fake_gather(p)
+                if world > 1:
+                    chain = _all_gather_chain(graph, p, meta, where, world)
+                else:
+                    chain = [graph.call_function(gather, (p, meta["engine"], where))]
+                    chain[0].meta["val"] = _fake_gather(p)
+            g = chain[-1]
             g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
-            p.replace_all_uses_with(g, delete_user_cb=lambda u, g=g: u is not g)
+            p.replace_all_uses_with(g, delete_user_cb=lambda u, c=chain: u is not c[0])
             if recompute:
-                for n in _whole_copies(g):
+                for n in chain[:-1] + _whole_copies(g):
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             changes.append(f"gather {meta['name']} before {users[0].name}")
         graph.lint()
@@ -154,13 +195,17 @@ class InsertGathers:
 class ReduceGrads:
     name: str = "reduce-grads"
 
-    def __call__(self, graph: fx.Graph, slots: dict[int, tuple[fx.Node, dict]]) -> PassReport:
+    def __call__(self, graph: fx.Graph, slots: dict[int, tuple[fx.Node, dict]], world: int = 1) -> PassReport:
         """Joint graph: `slots` maps a position among the outputs (a managed parameter's gradient)
         to (the parameter's placeholder, param_meta). Its gradient g is replaced there by
-        reduce_grad(g, p): the parameter itself goes along (the partitioner saves it for the
-        backward, free: its storage is empty), so the backward reduces into whichever instance's
-        parameter the call got. After partitioning, `drop_outputs` returns None in its place."""
-        from zinf_compile.runtime.ops import reduce_grad
+        reduce_grad(g, p), or over `world` > 1 ranks by flat, padded g -> reduce_scatter_tensor
+        (functional, sum) -> wait_tensor -> store_grad(part, p). The parameter itself goes along
+        (the partitioner saves it for the backward, free: its storage is empty), so the backward
+        reduces into whichever instance's parameter the call got. After partitioning,
+        `drop_outputs` returns None in its place."""
+        from torch._guards import detect_fake_mode
+
+        from zinf_compile.runtime.ops import reduce_grad, store_grad
 
         out = next(iter(graph.find_nodes(op="output")))
         outs = list(out.args[0])
@@ -169,12 +214,30 @@ class ReduceGrads:
             g = outs[i]
             if not isinstance(g, fx.Node):
                 continue  # no gradient flows to this parameter
-            with graph.inserting_before(out):
-                r = graph.call_function(reduce_grad, (g, p))
-            from torch._guards import detect_fake_mode
-
-            with detect_fake_mode([g.meta["val"]]):
-                r.meta["val"] = g.meta["val"].new_empty((0,))
+            val = g.meta["val"]
+            with graph.inserting_before(out), detect_fake_mode([val]):
+                if world > 1:
+                    numel = int(val.numel())
+                    pad = -(-numel // world) * world - numel
+                    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+                    steps = []
+                    if not val.is_contiguous():
+                        steps.append((aten.clone.default, lambda x: (x,), {"memory_format": torch.contiguous_format}))
+                    steps += [(aten.view.default, lambda x: (x, [-1]), {}),
+                              (aten.constant_pad_nd.default, lambda x: (x, [0, pad]), {}),
+                              (c10d.reduce_scatter_tensor.default, lambda x: (x, "sum", world, _group_name()), {}),
+                              (c10d.wait_tensor.default, lambda x: (x,), {}),
+                              (store_grad, lambda x: (x, p), {})]
+                    x = g
+                    for target, args, kwargs in steps:
+                        x = graph.call_function(target, args(x), kwargs)
+                        fake = [a.meta["val"] if isinstance(a, fx.Node) else a for a in x.args]
+                        x.meta["val"] = target(*fake, **kwargs)
+                        x.meta["zinf"] = {"kind": "reduce-part", "name": meta["name"], "pid": meta["pid"]}
+                    r = x
+                else:
+                    r = graph.call_function(reduce_grad, (g, p))
+                    r.meta["val"] = val.new_empty((0,))
             r.meta["zinf"] = {"kind": "reduce", "name": meta["name"], "pid": meta["pid"]}
             outs[i] = r
             changes.append(f"reduce-scatter the gradient of {meta['name']} ({g.name})")
@@ -184,12 +247,12 @@ class ReduceGrads:
 
     @staticmethod
     def drop_outputs(graph: fx.Graph) -> None:
-        """Backward graph: None where it returns a reduce_grad's result (autograd accumulates
-        nothing for a managed parameter), each reduce right after its gradient's last reader."""
-        from zinf_compile.runtime.ops import reduce_grad
+        """Backward graph: None where it returns a reduce's result (autograd accumulates nothing
+        for a managed parameter), each reduce right after its gradient's last reader."""
+        from zinf_compile.runtime.ops import reduce_grad, store_grad
 
         out = next(iter(graph.find_nodes(op="output")))
-        out.args = (tuple(None if isinstance(a, fx.Node) and a.target is reduce_grad else a
+        out.args = (tuple(None if isinstance(a, fx.Node) and a.target in (reduce_grad, store_grad) else a
                           for a in out.args[0]),)
         SinkGathers.sink_to_producer(graph)
         graph.lint()
@@ -200,32 +263,38 @@ class SinkGathers:
     name: str = "sink-gathers"
 
     def __call__(self, graph: fx.Graph) -> PassReport:
-        from zinf_compile.runtime.ops import gather
-
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        # last first: each part of a gather lands before its (already moved) first user
+        parts = [n for n in graph.nodes if n.meta.get("zinf", {}).get("kind") in GATHER_PARTS]
         moved = []
-        for g in list(graph.find_nodes(op="call_function", target=gather)):
-            users = sorted(g.users, key=order.get)
+        for g in reversed(parts):
+            order = {n: i for i, n in enumerate(graph.nodes)} if not moved else order
+            users = sorted(g.users, key=lambda u: order.get(u, 0))
             if users and users[0].prev is not g:
                 users[0].prepend(g)
                 moved.append(f"{g.name} before {users[0].name}")
+                order = {n: i for i, n in enumerate(graph.nodes)}
         graph.lint()
         return PassReport(self.name, tuple(moved), {"moved": len(moved)} if moved else {})
 
     @staticmethod
     def sink_to_producer(graph: fx.Graph) -> None:
-        """Each reduce_grad right after the node that makes its gradient (the gradient's last use)."""
-        from zinf_compile.runtime.ops import reduce_grad
+        """Each reduce (with the collectives feeding it) right after the last reader of its
+        gradient, so the gradient dies there."""
+        from zinf_compile.runtime.ops import reduce_grad, store_grad
 
         order = {n: i for i, n in enumerate(graph.nodes)}
-        for r in list(graph.find_nodes(op="call_function", target=reduce_grad)):
-            g = r.args[0]
-            anchor = g
-            # after the last reader of g, so g dies at the reduce
-            readers = [u for u in g.users if u is not r and u.op != "output"]
-            if readers:
-                anchor = max(readers, key=order.get)
-            anchor.append(r)
+        ends = [n for n in graph.nodes if n.op == "call_function" and n.target in (reduce_grad, store_grad)]
+        for r in ends:
+            chain = [r]
+            while chain[0].args and isinstance(chain[0].args[0], fx.Node) and \
+                    chain[0].args[0].meta.get("zinf", {}).get("kind") == "reduce-part":
+                chain.insert(0, chain[0].args[0])
+            g = chain[0].args[0]
+            readers = [u for u in g.users if u not in chain and u.op != "output"]
+            anchor = max(readers, key=order.get) if readers else g
+            for n in chain:
+                anchor.append(n)
+                anchor = n
 
 
 @dataclass(frozen=True)
@@ -241,11 +310,12 @@ class PrefetchGathers:
     def __call__(self, graph: fx.Graph, step_time, read_time, fetched_bytes) -> PassReport:
         """step_time(node) -> seconds; read_time(nbytes) -> seconds; fetched_bytes(nbytes) -> the
         device bytes a fetched shard holds until its gather (0 when it lands off the device)."""
-        from zinf_compile.runtime.ops import fetch, gather, gather_from
+        from zinf_compile.runtime.ops import fetch, gather, gather_from, shard, shard_from
 
         nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        gathers = sorted(graph.find_nodes(op="call_function", target=gather), key=pos.get)
+        gathers = sorted([*graph.find_nodes(op="call_function", target=gather),
+                          *graph.find_nodes(op="call_function", target=shard)], key=pos.get)
         last_placeholder = max((pos[n] for n in graph.find_nodes(op="placeholder")), default=0)
         changes = []
         floor = 0
@@ -269,7 +339,7 @@ class PrefetchGathers:
                 h.meta["zinf"] = {"kind": "fetch", "name": g.meta["zinf"]["name"], "pid": g.meta["zinf"]["pid"],
                                   "resident_bytes": fetched_bytes(nbytes)}
             with graph.inserting_before(g):
-                new = graph.call_function(gather_from, (p, h, *g.args[1:]))
+                new = graph.call_function(gather_from if g.target is gather else shard_from, (p, h, *g.args[1:]))
             new.meta.update(g.meta)
             g.replace_all_uses_with(new)
             graph.erase_node(g)
@@ -287,12 +357,18 @@ def _fake_handle(val):
 
 def remove_param_nodes(graph: fx.Graph) -> None:
     """Undo InsertGathers/PrefetchGathers on a graph (a plan that did not fit: try another choice)."""
-    from zinf_compile.runtime.ops import fetch, gather, gather_from
+    from zinf_compile.runtime.ops import fetch
 
-    for g in list(graph.find_nodes(op="call_function", target=gather)) + list(
-            graph.find_nodes(op="call_function", target=gather_from)):
-        g.replace_all_uses_with(g.args[0])
-        graph.erase_node(g)
+    for n in reversed(list(graph.nodes)):
+        if n.meta.get("zinf", {}).get("kind") != "gather":
+            continue
+        head = n
+        while head.meta.get("zinf", {}).get("kind") != "shard" and not is_gather(head):
+            head = head.args[0]
+        n.replace_all_uses_with(head.args[0])
+    for n in reversed(list(graph.nodes)):
+        if n.meta.get("zinf", {}).get("kind") in GATHER_PARTS and not n.users:
+            graph.erase_node(n)
     for f in list(graph.find_nodes(op="call_function", target=fetch)):
         graph.erase_node(f)
     for n in graph.find_nodes(op="placeholder"):
@@ -301,6 +377,7 @@ def remove_param_nodes(graph: fx.Graph) -> None:
 
 
 def is_gather(n: fx.Node) -> bool:
-    from zinf_compile.runtime.ops import gather, gather_from
+    """A node that reads a managed parameter from its tier (whole, or this rank's shard)."""
+    from zinf_compile.runtime.ops import gather, gather_from, shard, shard_from
 
-    return n.op == "call_function" and n.target in (gather, gather_from)
+    return n.op == "call_function" and n.target in (gather, gather_from, shard, shard_from)

@@ -65,5 +65,15 @@ def test_each_rank_holds_half(runs):
     assert whole / 2 < per_rank[0] <= whole / 2 + 2 * 4  # odd sizes: one element of padding per parameter
 
 
+def test_two_ranks_gather_and_reduce_with_functional_collectives_in_the_graph(runs):
+    c = runs[2]["collectives"]
+    assert "_c10d_functional.all_gather_into_tensor.default" in c["forward"]
+    assert "_c10d_functional.all_gather_into_tensor.default" in c["backward"]  # gathered again, not saved
+    assert "_c10d_functional.reduce_scatter_tensor.default" in c["backward"]
+    assert "_c10d_functional.all_reduce.default" in c["backward"]  # the resident biases' gradients
+    assert runs[1]["collectives"] == {"forward": [], "backward": []}  # one rank: none at all
+    assert runs[2]["saved_whole"] == [] and runs[1]["saved_whole"] == []
+
+
 def test_no_files_left(runs):
     assert runs[1]["left"] == [] and runs[2]["left"] == []

@@ -192,7 +192,7 @@ class ZinfPostGrad(_PostGradPass):
             if chosen:
                 managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
                                          s.engine_key, s.cfg.master_dtype) for n, info in chosen}
-                reports.append(InsertGathers()(graph, managed, recompute=False))
+                reports.append(InsertGathers()(graph, managed, recompute=False, world=s.world))
                 if prefetch:
                     reports += _prefetch_gathers(s, [graph])
                 graph.owning_module.recompile()

@@ -22,6 +22,23 @@ def build():
     return torch.nn.Sequential(torch.nn.Linear(65, 257), torch.nn.GELU(), torch.nn.Linear(257, 65))
 
 
+def _saved_whole(fw) -> list[str]:
+    """Forward outputs (saved for backward) that are a gathered parameter or a single-input chain
+    from one (the all-gather, its wait, slice, view)."""
+    from zinf_compile.passes.params import is_gather
+
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    found = []
+    for a in out.args[0]:
+        n = a
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and not is_gather(n) \
+                and len(n.all_input_nodes) == 1:
+            n = n.all_input_nodes[0]
+        if isinstance(n, torch.fx.Node) and is_gather(n):
+            found.append(a.name)
+    return found
+
+
 def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,11 +61,15 @@ def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
     per_rank = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(per_rank, torch.tensor([shard_bytes]))
     state = zinf_compile.full_state_dict(model)
+    rec = [r for r in zinf_compile.compiles() if "backward" in r.plan.graphs][-1]
+    collectives = {role: sorted({str(n.target) for n in rec.graphs[role].graph.nodes if "c10d" in str(n.target)})
+                   for role in ("forward", "backward")}
     if rank == 0:
         torch.save(state, out + ".pt")
         with open(out, "w") as f:
             json.dump({"world": world, "losses": losses, "shard_bytes": [int(t) for t in per_rank],
-                       "managed": [e.name for e in STORE.entries()]}, f)
+                       "managed": [e.name for e in STORE.entries()], "collectives": collectives,
+                       "saved_whole": _saved_whole(rec.graphs["forward"])}, f)
     dist.barrier()
     dist.destroy_process_group()
 

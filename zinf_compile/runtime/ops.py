@@ -31,6 +31,12 @@ _lib.define("reduce_grad(Tensor g, Tensor p) -> Tensor")
 # fetch starts reading a parameter's shard ahead of its gather; gather_from finishes it
 _lib.define("fetch(Tensor p, int engine, str tier) -> Tensor")
 _lib.define("gather_from(Tensor p, Tensor h, int engine, str tier) -> Tensor")
+# Over several ranks the graph itself all-gathers and reduce-scatters (functional collectives
+# Inductor knows): shard returns this rank's padded flat shard on the device, store_grad takes this
+# rank's reduce-scattered sum of the gradient.
+_lib.define("shard(Tensor p, int engine, str tier) -> Tensor")
+_lib.define("shard_from(Tensor p, Tensor h, int engine, str tier) -> Tensor")
+_lib.define("store_grad(Tensor part, Tensor p) -> Tensor")
 
 
 def _fake_handle(shape) -> torch.Tensor:
@@ -119,6 +125,46 @@ def _gather_from_fake(p, h, engine, tier):
     return torch.empty_like(p, memory_format=torch.contiguous_format)
 
 
+def _shard_fake(p, *_):
+    from zinf_compile.runtime.params import world
+
+    n = -(-p.numel() // world()[1])
+    return p.new_empty((n,))
+
+
+@torch.library.impl(_lib, "shard", "CompositeExplicitAutograd")
+def _shard(p, engine, tier):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.local_shard(p, engine, tier)
+
+
+torch.library.register_fake("zinf::shard", _shard_fake, lib=_lib)
+
+
+@torch.library.impl(_lib, "shard_from", "CompositeExplicitAutograd")
+def _shard_from(p, h, engine, tier):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.local_shard(p, engine, tier, handle=h)
+
+
+torch.library.register_fake("zinf::shard_from", _shard_fake, lib=_lib)
+
+
+@torch.library.impl(_lib, "store_grad", "CompositeExplicitAutograd")
+def _store_grad(part, p):
+    from zinf_compile.runtime.params import STORE
+
+    STORE.store_grad(p, part)
+    return part.new_empty((0,))
+
+
+@torch.library.register_fake("zinf::store_grad", lib=_lib)
+def _store_grad_fake(part, p):
+    return part.new_empty((0,))
+
+
 offload = torch.ops.zinf.offload.default
 prefetch = torch.ops.zinf.prefetch.default
 wait = torch.ops.zinf.wait.default
@@ -126,5 +172,9 @@ gather = torch.ops.zinf.gather.default
 reduce_grad = torch.ops.zinf.reduce_grad.default
 fetch = torch.ops.zinf.fetch.default
 gather_from = torch.ops.zinf.gather_from.default
+shard = torch.ops.zinf.shard.default
+shard_from = torch.ops.zinf.shard_from.default
+store_grad = torch.ops.zinf.store_grad.default
 torch.fx.node.has_side_effect(reduce_grad)
-ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad, fetch, gather_from)
+torch.fx.node.has_side_effect(store_grad)
+ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad, fetch, gather_from, shard, shard_from, store_grad)

@@ -332,6 +332,35 @@ class ParamStore:
         self.stats["bytes_gathered"] += e.nbytes
         return self.full(e, shard=buf)
 
+    def local_shard(self, t: torch.Tensor, engine_key: int, tier: str, handle: torch.Tensor | None = None):
+        """This rank's padded flat shard on the device in the parameter's dtype (the graph
+        all-gathers it), from a fetch's read when `handle` names one."""
+        e = self.adopt(t, engine_key, tier)
+        buf = None
+        if handle is not None:
+            with self._lock:
+                fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
+            if fetched is not None and fetched[0] is e:
+                t0 = time.perf_counter()
+                for f in fetched[2]:
+                    f.result()
+                self.stats["fetch_waits_s"] += time.perf_counter() - t0
+                buf = fetched[1]
+        shard = e.read_shard() if buf is None else buf
+        self.stats["gathers"] += 1
+        self.stats["bytes_gathered"] += e.nbytes
+        return shard.to(e.dtype).to(e.device, non_blocking=True)
+
+    def store_grad(self, t: torch.Tensor, part: torch.Tensor) -> None:
+        """Add this rank's part of the gradient (the sum over ranks, reduce-scattered by the
+        graph) into the shard's gradient, as the mean over ranks."""
+        e = self._require(t)
+        part = (part.detach() / e.world).to("cpu", e.shard_dtype)
+        with e.lock:
+            prev = e.read_grad()
+            e.write_grad(part if prev is None else prev.add_(part))
+        self.stats["reduces"] += 1
+
     def full(self, e: Entry, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
         shard = (e.read_shard() if shard is None else shard).to(e.dtype).to(e.device, non_blocking=True)
