@@ -402,3 +402,49 @@ def test_a_parameter_compiled_resident_is_not_taken_over_later(offload_root):
     assert not STORE.is_managed(model[0].weight)
     with torch.no_grad():
         cm(torch.randn(4, 64))  # the first graph still runs
+
+
+def _store_engine(root):
+    from zinf_compile.runtime.engine import register_engine
+
+    register_engine(987656, "nvme", os.path.join(root, "store"), 2, False)
+    return 987656
+
+
+def test_a_gradient_already_in_p_grad_joins_the_shard_at_take_over(offload_root):
+    key = _store_engine(offload_root)
+    p = nn.Parameter(torch.randn(128, 128))
+    g = torch.randn(128, 128)
+    p.grad = g.clone()
+    e = STORE.manage(STORE.identify(p, "p"), "nvme", key)
+    assert p.grad is None and torch.equal(e.read_grad(), g.reshape(-1))
+
+
+def test_a_dead_parameter_hands_its_files_back(offload_root):
+    import gc
+
+    key = _store_engine(offload_root)
+    from zinf_compile.runtime.engine import get_engine
+
+    swap = get_engine(key).swap
+    p = nn.Parameter(torch.randn(128, 128))
+    STORE.manage(STORE.identify(p, "p"), "nvme", key)
+    free_before = len(swap._free)
+    del p
+    gc.collect()
+    assert len(swap._free) == free_before + 1  # its shard's file, ready for reuse
+
+
+def test_plans_size_master_shards_in_the_master_dtype():
+    import torch.fx as fx
+
+    from zinf_compile.passes.params import param_meta
+    from zinf_compile.planner import managed_params
+
+    g = fx.Graph()
+    p = g.placeholder("w")
+    p.meta["val"] = torch.empty(128, 256, dtype=torch.bfloat16, device="meta")
+    p.meta["zinf"] = param_meta("w", 7, 0, "nvme", master="float32")
+    g.output(p)
+    mp = managed_params([fx.GraphModule(torch.nn.Module(), g)], world=2)[7]
+    assert mp.nbytes == 128 * 256 * 2 and mp.shard_nbytes == 128 * 256 * 4 // 2
