@@ -31,6 +31,11 @@ def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_gra
             "requires_grad": requires_grad, "engine": engine, "master": master}
 
 
+def stored_nbytes(numel: int, itemsize: int, master: str | None) -> int:
+    """Bytes of a parameter's data as stored in its tier: in its master dtype when it has one."""
+    return int(numel) * (getattr(torch, master).itemsize if master else itemsize)
+
+
 def partition_with_params(partition_fn, gm: fx.GraphModule, joint_inputs, kwargs: dict, managed: dict[int, dict],
                           allreduce: list[int] = (), world: int = 1):
     """Partition a joint graph whose primals `managed` (primal index -> param_meta) are managed
@@ -322,8 +327,7 @@ class PrefetchGathers:
         for g in gathers:
             p = g.args[0]
             val = p.meta["val"]
-            master = p.meta.get("zinf", {}).get("master")  # the shard is read in its master dtype
-            nbytes = int(val.numel()) * (getattr(torch, master).itemsize if master else val.element_size())
+            nbytes = stored_nbytes(val.numel(), val.element_size(), p.meta.get("zinf", {}).get("master"))
             need, hidden, at = read_time(nbytes), 0.0, pos[g]
             floor = max(floor, pos[p], last_placeholder)
             while at - 1 > floor and hidden < need:
@@ -374,6 +378,20 @@ def remove_param_nodes(graph: fx.Graph) -> None:
     for n in graph.find_nodes(op="placeholder"):
         if n.meta.get("zinf", {}).get("kind") == "param":
             del n.meta["zinf"]
+
+
+def saved_whole_parameters(fw: fx.GraphModule) -> list[str]:
+    """The forward's outputs (saved for backward) that are a gathered parameter, or a chain of
+    single-input ops from one (the all-gather, its wait, views, casts): what must never be saved."""
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    found = []
+    for a in out.args[0]:
+        n = a
+        while isinstance(n, fx.Node) and n.op == "call_function" and not is_gather(n) and len(n.all_input_nodes) == 1:
+            n = n.all_input_nodes[0]
+        if isinstance(n, fx.Node) and is_gather(n):
+            found.append(a.name)
+    return found
 
 
 def is_gather(n: fx.Node) -> bool:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import zinf_compile
 from zinf_compile.errors import BudgetError, ZinfError
-from zinf_compile.passes.params import is_gather
+from zinf_compile.passes.params import is_gather, saved_whole_parameters
 from zinf_compile.runtime.ops import reduce_grad
 from zinf_compile.runtime.params import STORE
 
@@ -44,21 +44,6 @@ class Tied(nn.Module):
 def batch(seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (4, 16), generator=g), torch.randint(0, VOCAB, (4, 16), generator=g)
-
-
-def whole_parameters_saved(fw) -> list[str]:
-    """Forward outputs saved for backward that are a gathered parameter, or a single-input chain
-    (views, casts) from one."""
-    out = next(iter(fw.graph.find_nodes(op="output")))
-    found = []
-    for a in out.args[0]:
-        n = a
-        while isinstance(n, torch.fx.Node) and n.op == "call_function" and not is_gather(n) \
-                and len(n.all_input_nodes) == 1:
-            n = n.all_input_nodes[0]
-        if isinstance(n, torch.fx.Node) and is_gather(n):
-            found.append(a.name)
-    return found
 
 
 def grads_of(model):
@@ -155,7 +140,7 @@ def test_gathers_stand_next_to_their_use_and_are_not_saved(run):
             assert all(getattr(b.target, "namespace", "") == "zinf" or b.op != "call_function"
                        or getattr(b.target, "is_view", False) for b in between), \
                 (role, n.name, [b.name for b in between])
-    assert not whole_parameters_saved(graphs["forward"])
+    assert not saved_whole_parameters(graphs["forward"])
     reduces = list(graphs["backward"].graph.find_nodes(op="call_function", target=reduce_grad))
     assert len(reduces) == 2
 
@@ -383,7 +368,7 @@ def test_autocast_does_not_save_bf16_copies_of_gathered_weights(offload_root):
     y.float().square().mean().backward()
     rec = [r for r in zinf_compile.compiles() if "backward" in r.plan.graphs][-1]
     assert STORE.is_managed(model[0].weight) and STORE.is_managed(model[2].weight)
-    assert whole_parameters_saved(rec.graphs["forward"]) == []
+    assert saved_whole_parameters(rec.graphs["forward"]) == []
 
 
 def test_a_parameter_compiled_resident_is_not_taken_over_later(offload_root):

@@ -295,11 +295,10 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
         return 0
     from zinf_compile.runtime.params import world
 
-    nbytes = info.nbytes
-    if s.cfg.master_dtype:  # the shard is kept in the master dtype
-        nbytes = nbytes // getattr(torch, info.dtype.removeprefix("torch.")).itemsize \
-            * getattr(torch, s.cfg.master_dtype).itemsize
-    return -(-nbytes // world()[1])
+    from zinf_compile.passes.params import stored_nbytes
+
+    itemsize = getattr(torch, info.dtype.removeprefix("torch.")).itemsize
+    return -(-stored_nbytes(info.nbytes // itemsize, itemsize, s.cfg.master_dtype) // world()[1])
 
 
 def _shared_default_budget(device: str, n_world: int) -> int:
@@ -417,5 +416,8 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         # the partitioner took parameters over, then something later failed: no graph will gather
         # them, so give them their data back (Dynamo may run the model eagerly next)
         for pid in {e.index for e in STORE.entries()} - before:
-            STORE.release_id(pid)
+            try:
+                STORE.release_id(pid)
+            except Exception as cleanup:  # the compile's own error is the one to see
+                warnings.warn(f"zinf: could not give parameter #{pid} its data back: {cleanup}", stacklevel=2)
         raise

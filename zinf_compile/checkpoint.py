@@ -64,13 +64,8 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_of(full: torch.Tensor, e: Entry) -> torch.Tensor:
-    """This rank's flat shard of a whole parameter, zero-padded, in the parameter's dtype."""
-    flat = full.detach().reshape(-1).to("cpu", e.shard_dtype)
-    lo, hi = e.shard_range()
-    out = torch.zeros(e.shard_numel, dtype=e.shard_dtype)
-    n = max(0, min(hi, e.numel) - lo)
-    out[:n] = flat[lo:lo + n]
-    return out
+    """This rank's flat shard of a whole parameter, zero-padded, in the shard's dtype."""
+    return e.slice_of(full.detach().reshape(-1).to("cpu", e.shard_dtype))
 
 
 def _strip_prefix(state_dict: dict, own) -> dict:

@@ -97,13 +97,7 @@ def _full_to_shard(value: torch.Tensor, e: Entry) -> torch.Tensor:
     flat = value.detach().reshape(-1)
     if flat.numel() != e.numel:
         raise ZinfError(f"zinf: a state of {e.name!r} has {flat.numel()} elements; the parameter has {e.numel}")
-    lo, hi = e.shard_range()
-    if lo == 0 and hi == e.numel:
-        return flat
-    out = torch.zeros(e.shard_numel, dtype=value.dtype, device=value.device)
-    n = max(0, min(hi, e.numel) - lo)
-    out[:n] = flat[lo:lo + n]
-    return out
+    return e.slice_of(flat)
 
 
 def _cast_like(param: torch.Tensor, key, value, group: dict):

@@ -14,7 +14,6 @@ Deterministic: every choice breaks ties by step and buffer id.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from zinf_compile.analysis.facts import Gap, GraphFacts
 from zinf_compile.config import tier_frees_device
@@ -250,8 +249,9 @@ def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
                 continue
             val = n.meta["val"]
             nbytes = int(val.numel()) * val.element_size()
-            master = z.get("master")  # the shard's dtype when it is an fp32 master of a bf16 parameter
-            shard = int(val.numel()) * (getattr(torch, master).itemsize if master else val.element_size())
+            from zinf_compile.passes.params import stored_nbytes
+
+            shard = stored_nbytes(val.numel(), val.element_size(), z.get("master"))
             out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-shard // world), z["tier"], world)
     return out
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
+from zinf_compile.passes.params import saved_whole_parameters
 from zinf_compile.runtime.params import STORE
 
 
@@ -20,23 +21,6 @@ def build():
     torch.manual_seed(0)
     # odd element counts (65 x 257 = 16705): the shards of 2 ranks are padded
     return torch.nn.Sequential(torch.nn.Linear(65, 257), torch.nn.GELU(), torch.nn.Linear(257, 65))
-
-
-def _saved_whole(fw) -> list[str]:
-    """Forward outputs (saved for backward) that are a gathered parameter or a single-input chain
-    from one (the all-gather, its wait, slice, view)."""
-    from zinf_compile.passes.params import is_gather
-
-    out = next(iter(fw.graph.find_nodes(op="output")))
-    found = []
-    for a in out.args[0]:
-        n = a
-        while isinstance(n, torch.fx.Node) and n.op == "call_function" and not is_gather(n) \
-                and len(n.all_input_nodes) == 1:
-            n = n.all_input_nodes[0]
-        if isinstance(n, torch.fx.Node) and is_gather(n):
-            found.append(a.name)
-    return found
 
 
 def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
@@ -69,7 +53,7 @@ def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
         with open(out, "w") as f:
             json.dump({"world": world, "losses": losses, "shard_bytes": [int(t) for t in per_rank],
                        "managed": [e.name for e in STORE.entries()], "collectives": collectives,
-                       "saved_whole": _saved_whole(rec.graphs["forward"])}, f)
+                       "saved_whole": saved_whole_parameters(rec.graphs["forward"])}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -83,9 +83,17 @@ def _gather(p, engine, tier):
     return STORE.gather(p, engine, tier)
 
 
-@torch.library.register_fake("zinf::gather", lib=_lib)
-def _gather_fake(p, engine, tier):
+def _whole_fake(p, *_):
+    """gather, gather_from: the whole parameter, fresh and contiguous."""
     return torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
+def _no_result_fake(x, p):
+    """reduce_grad, store_grad: an empty tensor nothing reads."""
+    return x.new_empty((0,))
+
+
+torch.library.register_fake("zinf::gather", _whole_fake, lib=_lib)
 
 
 @torch.library.impl(_lib, "reduce_grad", "CompositeExplicitAutograd")
@@ -96,9 +104,7 @@ def _reduce_grad(g, p):
     return g.new_empty((0,))
 
 
-@torch.library.register_fake("zinf::reduce_grad", lib=_lib)
-def _reduce_grad_fake(g, p):
-    return g.new_empty((0,))
+torch.library.register_fake("zinf::reduce_grad", _no_result_fake, lib=_lib)
 
 
 @torch.library.impl(_lib, "fetch", "CompositeExplicitAutograd")
@@ -120,9 +126,7 @@ def _gather_from(p, h, engine, tier):
     return STORE.gather_from(p, h, engine, tier)
 
 
-@torch.library.register_fake("zinf::gather_from", lib=_lib)
-def _gather_from_fake(p, h, engine, tier):
-    return torch.empty_like(p, memory_format=torch.contiguous_format)
+torch.library.register_fake("zinf::gather_from", _whole_fake, lib=_lib)
 
 
 def _shard_fake(p, *_):
@@ -160,9 +164,7 @@ def _store_grad(part, p):
     return part.new_empty((0,))
 
 
-@torch.library.register_fake("zinf::store_grad", lib=_lib)
-def _store_grad_fake(part, p):
-    return part.new_empty((0,))
+torch.library.register_fake("zinf::store_grad", _no_result_fake, lib=_lib)
 
 
 offload = torch.ops.zinf.offload.default

@@ -97,6 +97,20 @@ class Entry:
         """This rank's [start, end) in the flat parameter (end may pass numel: padding)."""
         return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
 
+    def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a flat whole-parameter tensor (a parameter, a gradient, a state),
+        zero-padded to shard_numel, always a fresh tensor: file writes go through a numpy view,
+        which makes the viewed storage unresizable, so never the parameter's own."""
+        lo, hi = self.shard_range()
+        out = torch.zeros(self.shard_numel, dtype=flat.dtype, device=flat.device)
+        n = max(0, min(hi, self.numel) - lo)
+        out[:n] = flat[lo:lo + n]
+        return out
+
+    def on_device(self, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """The shard (read from its tier unless given) in the parameter's dtype on its device."""
+        return (self.read_shard() if shard is None else shard).to(self.dtype).to(self.device, non_blocking=True)
+
     # -- the shard's bytes, wherever they live --------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:
         pin = self.device.type == "cuda"
@@ -129,6 +143,13 @@ class Entry:
         out = self._host_buffer()
         self.engine.read_file(self.grad_fd, out)
         return out
+
+    def add_grad(self, part: torch.Tensor) -> None:
+        """Accumulate `part` (this rank's flat gradient, on the CPU in shard_dtype, not aliased by
+        anyone) into the shard's gradient."""
+        with self.lock:
+            prev = self.read_grad()
+            self.write_grad(part if prev is None else prev.add_(part))
 
     def write_grad(self, flat: torch.Tensor) -> None:
         if self.tier == "cpu":
@@ -238,19 +259,18 @@ class ParamStore:
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
                       master_dtype=master_dtype if master_dtype != param.dtype else None)
-            lo, hi = e.shard_range()
-            flat = param.detach().reshape(-1)
-            shard = torch.zeros(e.shard_numel, dtype=e.shard_dtype, device=param.device)
-            n = max(0, min(hi, e.numel) - lo)
-            shard[:n] = flat[lo:lo + n]
             try:
-                e.write_shard(shard)
+                e.write_shard(e.slice_of(param.detach().reshape(-1)))
             except BaseException:
                 e.close_files()
                 raise
-            del shard, flat
             self._entries[pid] = e  # before the storage goes: a parameter is never freed unmanaged
-            param.untyped_storage().resize_(0)
+            try:
+                param.untyped_storage().resize_(0)
+            except BaseException:  # nor managed while whole
+                del self._entries[pid]
+                e.close_files()
+                raise
             if param.grad is not None:
                 # a gradient accumulated while the parameter was resident joins the shard's
                 grad, param.grad = param.grad, None
@@ -292,18 +312,36 @@ class ParamStore:
                                 getattr(torch, master) if master else None)
         return e
 
-    def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
-        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
-        out = self.full(e)
+    def _entry_for(self, t: torch.Tensor, engine_key: int, tier: str) -> Entry:
+        """The graph ops' entry lookup: with a tier, a parameter met unmanaged is taken over."""
+        return self.adopt(t, engine_key, tier) if tier else self._require(t)
+
+    def _take_fetch(self, e: Entry, handle: torch.Tensor) -> torch.Tensor | None:
+        """The shard a fetch read for `e` (waiting for the read), or None (no such fetch)."""
+        with self._lock:
+            fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
+        if fetched is None or fetched[0] is not e:
+            return None
+        t0 = time.perf_counter()
+        for f in fetched[2]:
+            f.result()
+        self.stats["fetch_waits_s"] += time.perf_counter() - t0
+        return fetched[1]
+
+    def _count_gather(self, e: Entry) -> None:
         self.stats["gathers"] += 1
         self.stats["bytes_gathered"] += e.nbytes
-        return out
+
+    def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
+        e = self._entry_for(t, engine_key, tier)
+        self._count_gather(e)
+        return self.full(e)
 
     def fetch(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
         """Start reading the shard of parameter `t` from its tier; the handle goes to gather_from.
         The handle is a one-element int64 tensor whose storage (numpy-owned) ends the fetch if
         the handle dies unused."""
-        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
+        e = self._entry_for(t, engine_key, tier)
         ticket = next(self._tickets)
         buf, futures = None, []
         if e.tier == "nvme":
@@ -317,53 +355,28 @@ class ParamStore:
         return torch.from_numpy(cell)
 
     def gather_from(self, t: torch.Tensor, handle: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
-        """The whole parameter, from the shard a fetch started reading."""
-        e = self.adopt(t, engine_key, tier) if tier else self._require(t)
-        with self._lock:
-            fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
-        if fetched is None or fetched[0] is not e:
-            return self.gather(t)
-        _, buf, futures = fetched
-        t0 = time.perf_counter()
-        for f in futures:
-            f.result()
-        self.stats["fetch_waits_s"] += time.perf_counter() - t0
-        self.stats["gathers"] += 1
-        self.stats["bytes_gathered"] += e.nbytes
-        return self.full(e, shard=buf)
+        """The whole parameter, from the shard a fetch started reading (read now if none did)."""
+        e = self._entry_for(t, engine_key, tier)
+        self._count_gather(e)
+        return self.full(e, shard=self._take_fetch(e, handle))
 
     def local_shard(self, t: torch.Tensor, engine_key: int, tier: str, handle: torch.Tensor | None = None):
         """This rank's padded flat shard on the device in the parameter's dtype (the graph
         all-gathers it), from a fetch's read when `handle` names one."""
         e = self.adopt(t, engine_key, tier)
-        buf = None
-        if handle is not None:
-            with self._lock:
-                fetched = self._fetches.pop(int(handle.reshape(-1)[0]), None)
-            if fetched is not None and fetched[0] is e:
-                t0 = time.perf_counter()
-                for f in fetched[2]:
-                    f.result()
-                self.stats["fetch_waits_s"] += time.perf_counter() - t0
-                buf = fetched[1]
-        shard = e.read_shard() if buf is None else buf
-        self.stats["gathers"] += 1
-        self.stats["bytes_gathered"] += e.nbytes
-        return shard.to(e.dtype).to(e.device, non_blocking=True)
+        self._count_gather(e)
+        return e.on_device(None if handle is None else self._take_fetch(e, handle))
 
     def store_grad(self, t: torch.Tensor, part: torch.Tensor) -> None:
         """Add this rank's part of the gradient (the sum over ranks, reduce-scattered by the
         graph) into the shard's gradient, as the mean over ranks."""
         e = self._require(t)
-        part = (part.detach() / e.world).to("cpu", e.shard_dtype)
-        with e.lock:
-            prev = e.read_grad()
-            e.write_grad(part if prev is None else prev.add_(part))
+        e.add_grad((part.detach() / e.world).to("cpu", e.shard_dtype))
         self.stats["reduces"] += 1
 
     def full(self, e: Entry, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
-        shard = (e.read_shard() if shard is None else shard).to(e.dtype).to(e.device, non_blocking=True)
+        shard = e.on_device(shard)
         if e.world > 1:
             flat = torch.empty(e.shard_numel * e.world, dtype=e.dtype, device=e.device)
             dist.all_gather_into_tensor(flat, shard)
@@ -378,10 +391,7 @@ class ParamStore:
         e = self._require(t)
         flat = g.detach().reshape(-1)
         if e.world > 1 and not average:
-            lo, hi = e.shard_range()
-            part = torch.zeros(e.shard_numel, dtype=g.dtype, device=g.device)
-            n = max(0, min(hi, e.numel) - lo)
-            part[:n] = flat[lo:lo + n]
+            part = e.slice_of(flat)
         elif e.world > 1:
             padded = torch.zeros(e.shard_numel * e.world, dtype=g.dtype, device=g.device)
             padded[: e.numel] = flat
@@ -390,11 +400,8 @@ class ParamStore:
             part.div_(e.world)
         else:
             part = flat
-        part = part.to("cpu", e.shard_dtype, copy=True) if part.device.type != "cpu" or part is flat \
-            else part.to(e.shard_dtype)
-        with e.lock:
-            prev = e.read_grad()
-            e.write_grad(part if prev is None else prev.add_(part))
+        # a copy when `part` may alias g (Inductor reuses g's buffer after this op returns)
+        e.add_grad(part.to("cpu", e.shard_dtype, copy=part.device.type != "cpu" or part is flat))
         self.stats["reduces"] += 1
 
     def zero_grad(self, entries=None) -> None:
@@ -408,7 +415,6 @@ class ParamStore:
             raise ZinfError("zinf: a graph gathers a parameter the store does not manage (was the store "
                             "reset while compiled code still runs?)")
         return e
-
 
 
 _REDUCE_SCATTER_OK: bool | None = None
