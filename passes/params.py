@@ -254,10 +254,10 @@ class ReduceGrads:
     def drop_outputs(graph: fx.Graph) -> None:
         """Backward graph: None where it returns a reduce's result (autograd accumulates nothing
         for a managed parameter), each reduce right after its gradient's last reader."""
-        from zinf_compile.runtime.ops import reduce_grad, store_grad
+        from zinf_compile.runtime.ops import REDUCES
 
         out = next(iter(graph.find_nodes(op="output")))
-        out.args = (tuple(None if isinstance(a, fx.Node) and a.target in (reduce_grad, store_grad) else a
+        out.args = (tuple(None if isinstance(a, fx.Node) and a.target in REDUCES else a
                           for a in out.args[0]),)
         SinkGathers.sink_to_producer(graph)
         graph.lint()
@@ -285,10 +285,10 @@ class SinkGathers:
     def sink_to_producer(graph: fx.Graph) -> None:
         """Each reduce (with the collectives feeding it) right after the last reader of its
         gradient, so the gradient dies there."""
-        from zinf_compile.runtime.ops import reduce_grad, store_grad
+        from zinf_compile.runtime.ops import REDUCES
 
         order = {n: i for i, n in enumerate(graph.nodes)}
-        ends = [n for n in graph.nodes if n.op == "call_function" and n.target in (reduce_grad, store_grad)]
+        ends = [n for n in graph.nodes if n.op == "call_function" and n.target in REDUCES]
         for r in ends:
             chain = [r]
             while chain[0].args and isinstance(chain[0].args[0], fx.Node) and \
@@ -315,12 +315,16 @@ class PrefetchGathers:
     def __call__(self, graph: fx.Graph, step_time, read_time, fetched_bytes) -> PassReport:
         """step_time(node) -> seconds; read_time(nbytes) -> seconds; fetched_bytes(nbytes) -> the
         device bytes a fetched shard holds until its gather (0 when it lands off the device)."""
-        from zinf_compile.runtime.ops import fetch, gather, gather_from, shard, shard_from
+        from zinf_compile.runtime.ops import (fetch, fetch_rows, gather, gather_from, gather_rows, gather_rows_from,
+                                              shard, shard_from)
 
         nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         gathers = sorted([*graph.find_nodes(op="call_function", target=gather),
+                          *graph.find_nodes(op="call_function", target=gather_rows),
                           *graph.find_nodes(op="call_function", target=shard)], key=pos.get)
+        fetch_of = {gather: fetch, shard: fetch, gather_rows: fetch_rows}
+        finish_of = {gather: gather_from, shard: shard_from, gather_rows: gather_rows_from}
         last_placeholder = max((pos[n] for n in graph.find_nodes(op="placeholder")), default=0)
         changes = []
         floor = 0
@@ -328,6 +332,8 @@ class PrefetchGathers:
             p = g.args[0]
             val = p.meta["val"]
             nbytes = stored_nbytes(val.numel(), val.element_size(), p.meta.get("zinf", {}).get("master"))
+            if g.target is gather_rows:  # a tile: rows [start, end) of the weight
+                nbytes = nbytes // val.shape[0] * (g.args[4] - g.args[3])
             need, hidden, at = read_time(nbytes), 0.0, pos[g]
             floor = max(floor, pos[p], last_placeholder)
             while at - 1 > floor and hidden < need:
@@ -338,12 +344,12 @@ class PrefetchGathers:
             if at == pos[g]:
                 continue
             with graph.inserting_before(nodes[at]):
-                h = graph.call_function(fetch, (p, *g.args[1:]))
+                h = graph.call_function(fetch_of[g.target], (p, *g.args[1:]))
                 h.meta["val"] = _fake_handle(val)
                 h.meta["zinf"] = {"kind": "fetch", "name": g.meta["zinf"]["name"], "pid": g.meta["zinf"]["pid"],
                                   "resident_bytes": fetched_bytes(nbytes)}
             with graph.inserting_before(g):
-                new = graph.call_function(gather_from if g.target is gather else shard_from, (p, h, *g.args[1:]))
+                new = graph.call_function(finish_of[g.target], (p, h, *g.args[1:]))
             new.meta.update(g.meta)
             g.replace_all_uses_with(new)
             graph.erase_node(g)
@@ -396,6 +402,7 @@ def saved_whole_parameters(fw: fx.GraphModule) -> list[str]:
 
 def is_gather(n: fx.Node) -> bool:
     """A node that reads a managed parameter from its tier (whole, or this rank's shard)."""
-    from zinf_compile.runtime.ops import gather, gather_from, shard, shard_from
+    from zinf_compile.runtime.ops import gather, gather_from, gather_rows, gather_rows_from, shard, shard_from
 
-    return n.op == "call_function" and n.target in (gather, gather_from, shard, shard_from)
+    return n.op == "call_function" and n.target in (gather, gather_from, shard, shard_from, gather_rows,
+                                                    gather_rows_from)

@@ -27,7 +27,7 @@ except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's 
 from zinf_compile import records
 from zinf_compile.config import ZinfConfig
 from zinf_compile.errors import BudgetError, ZinfError
-from zinf_compile.pipeline import plan_and_rewrite
+from zinf_compile.pipeline import fit_tiled, plan_and_rewrite, tile_choices
 from zinf_compile.planner import prefetch_param_gathers, try_param_choices
 from zinf_compile.runtime.engine import get_engine, register_engine
 
@@ -140,19 +140,14 @@ class ZinfPartitioner(CustomPartitionerFn):
         fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed,
                                                 allreduce=allreduce, world=s.world)
         graphs = {"forward": fw, "backward": bw}
-        if managed and s.tier == "nvme":
-            # fetch shards ahead of their gathers; when that breaks the budget, gather just in time
-            trial = {k: copy.deepcopy(m) for k, m in graphs.items()}
-            pre = reports + _prefetch_gathers(s, [m.graph for m in trial.values()])
-            for m in trial.values():
-                m.recompile()
-            try:
-                plan_and_rewrite(s, trial, kwargs["num_fwd_outputs"], pre_reports=pre)
-                graphs, reports = trial, None
-            except BudgetError:
-                pass
-        if reports is not None:
-            plan_and_rewrite(s, graphs, kwargs["num_fwd_outputs"], pre_reports=reports)
+        nfo = kwargs["num_fwd_outputs"]
+        # weights too large to gather whole: tiles (memory-centric tiling); NVMe shards fetched
+        # ahead of their gathers, or when that breaks the budget, gathered just in time
+        choices = _tile_choices(s, graphs, nfo) if managed else [{}]
+        prefetch = (lambda gs: _prefetch_gathers(s, [m.graph for m in gs.values()], recompile=gs)) \
+            if managed and s.tier == "nvme" else None
+        graphs, _ = fit_tiled(graphs, choices, lambda gs, rep: plan_and_rewrite(s, gs, nfo, pre_reports=rep),
+                              prefetch, reports)
         fw, bw = graphs["forward"], graphs["backward"]
         _take_over(s, [info for _, info in chosen])
         for m in (fw, bw):
@@ -313,10 +308,20 @@ def _shared_default_budget(device: str, n_world: int) -> int:
     return int(psutil.virtual_memory().total * 0.9) // max(1, local)
 
 
-def _prefetch_gathers(s: Session, graphs: list[fx.Graph]) -> list:
+def _prefetch_gathers(s: Session, graphs: list[fx.Graph], recompile: dict | None = None) -> list:
     from zinf_compile.cost import load_profile
 
-    return prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world)
+    reports = prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world)
+    for m in (recompile or {}).values():
+        m.recompile()
+    return reports
+
+
+def _tile_choices(s: Session, graphs: dict, nfo: int) -> list[dict]:
+    from zinf_compile.cost import load_profile
+
+    return tile_choices(graphs, nfo, s.cfg.tiling, s.cfg.max_tile_bytes, s.budget, s.cfg.budget_fraction,
+                        load_profile(s.cfg.profile, s.device), s.tier, s.device)
 
 
 _WARNED: list = []

@@ -230,7 +230,7 @@ class OfflinePlan:
 
 
 def plan_captured(c: Captured, budget: int, profile, tier: str, params: str = "auto",
-                  device: str = "cpu") -> OfflinePlan:
+                  device: str = "cpu", tiling: str = "auto", max_tile_bytes: int | None = None) -> OfflinePlan:
     """Plan a capture as the backend's partitioner would: `params` "resident" keeps every parameter
     on the device; "offload" manages every parameter of PERSIST_BYTES or more; "auto" tries
     resident, then the fewest (largest first) that close the shortfall, then all of them."""
@@ -248,7 +248,8 @@ def plan_captured(c: Captured, budget: int, profile, tier: str, params: str = "a
                      f"> budget {format_bytes(e.budget)}")
 
     return try_param_choices(params, big, [], lambda p: p.nbytes,
-                             lambda chosen, _last: _plan_with(c, chosen, budget, profile, tier, device, tried),
+                             lambda chosen, _last: _plan_with(c, chosen, budget, profile, tier, device, tried,
+                                                              tiling, max_tile_bytes),
                              on_fail=failed)
 
 
@@ -256,14 +257,17 @@ def _what(chosen: list[CapturedParam], n_params: int) -> str:
     return "all resident" if not chosen else f"{len(chosen)} of {n_params} managed"
 
 
-def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, device, tried) -> OfflinePlan:
-    """Plan one choice of managed parameters; with NVMe shards, fetched ahead of their gathers
-    first and, when that breaks the budget, gathered just in time (as the backend)."""
+def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, device, tried,
+               tiling: str = "auto", max_tile_bytes: int | None = None) -> OfflinePlan:
+    """Plan one choice of managed parameters as the backend does: weights too large to gather
+    whole in tiles, NVMe shards fetched ahead of their gathers or, when that breaks the budget,
+    gathered just in time."""
+    import dataclasses
+
     from zinf_compile.config import tier_frees_device
-    from zinf_compile.errors import BudgetError
     from zinf_compile.passes.params import param_meta
-    from zinf_compile.pipeline import plan_graphs
-    from zinf_compile.planner import managed_params, with_param_actions
+    from zinf_compile.pipeline import fit_tiled, plan_graphs, tile_choices
+    from zinf_compile.planner import managed_params, tiled_ops_of, with_param_actions
 
     frees = tier_frees_device(tier, profile.device)  # planned for the target, as plan_graphs does
     managed = {p.index: param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad)
@@ -271,21 +275,28 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
     graphs, _ = c.partition(managed)
     what = _what(chosen, len(c.params))
 
-    def finish(graphs):
+    def finish(graphs, _reports):
         facts, plan = plan_graphs(graphs, c.num_fwd_outputs, budget, profile, tier, device=device)
         mp = managed_params(graphs.values(), 1)
         if mp:
             plan = with_param_actions(plan, facts, mp, profile)
-        return OfflinePlan(facts, plan, graphs, tuple(chosen), (*tried, what))
+        tiles = tiled_ops_of(graphs)
+        if tiles:
+            plan = dataclasses.replace(plan, tiles=tiles)
+        n_tiled = len({t.param for t in tiles})
+        return OfflinePlan(facts, plan, graphs, tuple(chosen),
+                           (*tried, what + (f", {n_tiled} weight(s) tiled" if n_tiled else "")))
 
-    if managed and tier == "nvme":
-        trial = {k: _copy(m) for k, m in graphs.items()}
-        _prefetch_gathers(trial, tier, profile)
-        try:
-            return finish(trial)
-        except BudgetError:
-            tried.append(f"{what}, fetched ahead: over budget")
-    return finish(graphs)
+    choices = tile_choices(graphs, c.num_fwd_outputs, tiling, max_tile_bytes, budget, None, profile, tier,
+                           device) if managed else [{}]
+
+    def failed(tiles, ahead, _e):
+        how = [f"{len(tiles)} weight(s) tiled"] * bool(tiles) + ["fetched ahead"] * ahead
+        if how:  # a choice's last failure is the caller's to report
+            tried.append(f"{what}{', ' if how else ''}{', '.join(how)}: over budget")
+
+    return fit_tiled(graphs, choices, finish, (lambda gs: _prefetch_gathers(gs, tier, profile))
+                     if managed and tier == "nvme" else None, on_fail=failed)[1]
 
 
 def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:

@@ -33,7 +33,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     n_nodes = sum(len(g.graph.nodes) for g in captured.graphs.values())
     _progress(f"captured {n_nodes} nodes in {t1 - t0:.1f} s; planning for {args.target}, budget "
               f"{args.budget or 'capacity'}, parameters {params}")
-    result = plan_captured(captured, budget, profile, tier, params=params, device="cpu")
+    max_tile = parse_bytes(args.max_tile_bytes, "--max-tile-bytes") if args.max_tile_bytes else None
+    tiling = "force" if max_tile else args.tiling
+    result = plan_captured(captured, budget, profile, tier, params=params, device="cpu", tiling=tiling,
+                           max_tile_bytes=max_tile)
     plan = result.plan
     if len(result.tried) > 1:
         _progress("parameters: " + "; then ".join(result.tried))
@@ -100,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--params", default="auto", choices=["auto", "offload", "resident"],
                     help="parameters (ZeRO-3): 'auto' manages them when the plan does not fit with them resident "
                          "(largest first, then all), 'offload' always (those of 64 KiB or more), 'resident' never")
+    pl.add_argument("--tiling", default="auto", choices=["auto", "off"],
+                    help="memory-centric tiling of managed weights too large to gather whole (default auto)")
+    pl.add_argument("--max-tile-bytes", metavar="SIZE",
+                    help="tile every managed weight larger than SIZE into tiles of at most SIZE (forces tiling)")
     pl.add_argument("--inference", action="store_true", help="plan the forward alone, without gradients")
     pl.add_argument("--out", default=".", help="where plan.json and report.html go (default: here)")
     pl.add_argument("--no-report", action="store_true", help="write plan.json only")

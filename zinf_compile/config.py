@@ -46,9 +46,14 @@ class ZinfConfig:
     # master shards (and gradients and optimizer states) in their tier; gathers hand the graph the
     # model's dtype. None: shards in the parameter's own dtype.
     master_dtype: str | None = None
+    # Memory-centric tiling of the matmuls of managed 2-d weights: "auto" when a weight gathered
+    # whole does not fit next to what must stay live; "off"; {"max_tile_bytes": n} tiles every
+    # managed weight larger than n into tiles of at most n bytes.
+    tiling: str = "auto"
+    max_tile_bytes: int | None = None
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
-               "malloc_mmap_threshold", "cache", "params", "master_dtype")
+               "malloc_mmap_threshold", "cache", "params", "master_dtype", "tiling")
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
@@ -96,6 +101,17 @@ class ZinfConfig:
         master = {"fp32": "float32", "float": "float32"}.get(master, master)
         if master not in (None, "float32", "float64"):
             raise ZinfConfigError(f"master_dtype: expected 'float32' (or None), got {options.get('master_dtype')!r}")
+        tiling, max_tile = options.get("tiling", "auto"), None
+        if isinstance(tiling, Mapping):
+            extra = sorted(set(tiling) - {"max_tile_bytes"})
+            if extra or "max_tile_bytes" not in tiling:
+                raise ZinfConfigError(f"tiling: expected {{'max_tile_bytes': n}}, got {tiling!r}")
+            max_tile = parse_bytes(tiling["max_tile_bytes"], "tiling.max_tile_bytes")
+            if max_tile <= 0:
+                raise ZinfConfigError(f"tiling.max_tile_bytes must be positive, got {tiling['max_tile_bytes']!r}")
+            tiling = "force"
+        elif tiling not in ("auto", "off"):
+            raise ZinfConfigError(f"tiling: expected 'auto', 'off' or {{'max_tile_bytes': n}}, got {tiling!r}")
         profile = options.get("profile", "auto")
         if not isinstance(profile, str):
             raise ZinfConfigError(f"profile: expected a profile name or a JSON path, got {profile!r}")
@@ -113,6 +129,8 @@ class ZinfConfig:
             dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
             params=params,
             master_dtype=master,
+            tiling=tiling,
+            max_tile_bytes=max_tile,
         )
 
     def tier_for(self, device_type: str) -> str:

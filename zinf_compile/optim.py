@@ -574,6 +574,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:
                 continue
+            e.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
             g = self._plain.param_groups[gi]
             if g.get("differentiable") or g.get("capturable"):
                 raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "

@@ -13,7 +13,7 @@ from zinf_compile import records
 from zinf_compile.analysis.facts import GraphSpec, analyze
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import load_profile, step_cost
-from zinf_compile.planner import make_plan, managed_params, with_param_actions
+from zinf_compile.planner import choose_tiles, make_plan, managed_params, tiled_ops_of, with_param_actions
 from zinf_compile.runtime.params import world
 
 
@@ -46,6 +46,86 @@ def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget:
     return facts, plan
 
 
+def copy_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:
+    import copy
+
+    with warnings.catch_warnings():  # torch's pytree warns about its own specs while they are copied
+        warnings.simplefilter("ignore", FutureWarning)
+        return {k: copy.deepcopy(m) for k, m in graphs.items()}
+
+
+def tile_choices(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, tiling: str, max_tile_bytes: int | None,
+                 budget: int | None, budget_fraction: float | None, profile, tier: str, device: str) -> list[dict]:
+    """The tilings to try, in order (pid -> row ranges; {}: none): the planner's choice
+    (planner.choose_tiles), then twice and four times as many tiles in case the plan of the tiled
+    graphs still does not fit (the choice is an estimate: a tiled op's output, say, is not in it)."""
+    from zinf_compile.passes.tiling import candidates, split_bounds
+
+    if tiling == "off":
+        return [{}]
+    cands: dict = {}
+    for gm in graphs.values():
+        for pid, c in candidates(gm.graph).items():
+            cands[pid] = c if pid not in cands else dataclasses.replace(
+                cands[pid], uses=cands[pid].uses + c.uses, grads=cands[pid].grads + c.grads,
+                others=cands[pid].others + c.others)
+    if not cands:
+        return [{}]
+    if tiling == "force":
+        counts = choose_tiles(None, 0, cands, profile, tier, max_tile_bytes)  # type: ignore[arg-type]
+        return [{pid: split_bounds(cands[pid].rows, n) for pid, n in counts.items()}]
+    facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
+    if budget_fraction is not None:
+        budget = int(facts.peak * budget_fraction)
+    counts = choose_tiles(facts, int(budget), cands, profile, tier)
+    if not counts:
+        return [{}]
+    out: list[dict] = []
+    for f in (1, 2, 4):
+        choice = {pid: split_bounds(cands[pid].rows, n * f) for pid, n in counts.items()}
+        if choice not in out:
+            out.append(choice)
+    return out
+
+
+def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, prefetch=None, reports=(),
+              on_fail=None):
+    """Plan the first tiling in `choices` that fits: each tiles a copy of `graphs` (TileParams),
+    then, with `prefetch` (graphs -> reports: fetch shards ahead), tries fetching ahead on a copy
+    and else gathering just in time. attempt(graphs, reports) plans and raises BudgetError when
+    they do not fit; on_fail(tiles, fetched_ahead, error) hears of each failure. Returns (the
+    graphs planned, attempt's result); raises the last BudgetError."""
+    from zinf_compile.errors import BudgetError
+    from zinf_compile.passes.tiling import TileParams
+
+    err: BudgetError | None = None
+    for tiles in choices:
+        done = list(reports)
+        g = graphs
+        if tiles:
+            g = copy_graphs(graphs)
+            for gm in g.values():
+                done.append(TileParams()(gm.graph, tiles))
+                gm.recompile()
+        if prefetch is not None:
+            trial = copy_graphs(g)
+            pre = done + prefetch(trial)
+            try:
+                return trial, attempt(trial, pre)
+            except BudgetError as e:
+                err = e
+                if on_fail is not None:
+                    on_fail(tiles, True, e)
+        try:
+            return g, attempt(g, done)
+        except BudgetError as e:
+            err = e
+            if on_fail is not None:
+                on_fail(tiles, False, e)
+    assert err is not None
+    raise err
+
+
 def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, pre_reports=()):
     from zinf_compile.passes import PIPELINE, PassContext, verify
 
@@ -62,6 +142,9 @@ def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs
         params = managed_params(graphs.values(), world()[1])
         if params:
             plan = with_param_actions(plan, facts, params, profile)
+        tiles = tiled_ops_of(graphs)
+        if tiles:
+            plan = dataclasses.replace(plan, tiles=tiles)
         ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
         before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
         reports, peak = list(pre_reports), None

@@ -73,6 +73,22 @@ class ManagedParam:
 
 
 @dataclass(frozen=True)
+class TiledOp:
+    """A matmul the plan splits into tiles (memory-centric tiling), each reading its own rows of
+    a managed weight (or, for a weight's gradient, making its own rows of it)."""
+
+    graph: str
+    op: str  # the FX node's name before tiling
+    target: str  # "mm" | "addmm" | "bmm"
+    axis: str  # "M" | "N" | "K" of the matmul
+    count: int
+    param: str  # the weight's name
+    grad: bool  # the matmul computes the weight's gradient
+    tile_shape: tuple[int, ...]  # the largest weight tile
+    tile_nbytes: int
+
+
+@dataclass(frozen=True)
 class Plan:
     version: int
     graphs: tuple[str, ...]
@@ -93,6 +109,7 @@ class Plan:
     predicted_stall_s: float
     notes: tuple[str, ...] = field(default=())
     params: tuple[ManagedParam, ...] = field(default=())
+    tiles: tuple[TiledOp, ...] = field(default=())
 
     # -- summaries -------------------------------------------------------------------------------
     def action_counts(self) -> dict[str, int]:
@@ -137,6 +154,7 @@ class Plan:
         d["timeline_after"] = tuple(d["timeline_after"])
         d["notes"] = tuple(d.get("notes", ()))
         d["params"] = tuple(ManagedParam(**p) for p in d.get("params", ()))
+        d["tiles"] = tuple(TiledOp(**{**t, "tile_shape": tuple(t["tile_shape"])}) for t in d.get("tiles", ()))
         plan = Plan(**d)
         plan.check()
         return plan

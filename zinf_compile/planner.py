@@ -19,7 +19,7 @@ from zinf_compile.analysis.facts import Gap, GraphFacts
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
-from zinf_compile.plan import PLAN_VERSION, Action, ManagedParam, Plan, Step, TensorLife
+from zinf_compile.plan import PLAN_VERSION, Action, ManagedParam, Plan, Step, TensorLife, TiledOp
 
 
 def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
@@ -198,20 +198,21 @@ def with_param_actions(plan: Plan, facts: GraphFacts, params: dict, profile: Dev
         if kind not in ("gather", "reduce", "fetch") or pid not in params:
             continue
         mp = params[pid]
+        part = _part_of(st.node, mp)  # a tile's share of the weight (1 when whole)
         if kind == "fetch":
             b = buffer_of.get(st.node)
             if b is not None:
-                actions.append(Action("fetch", b.id, st.index, mp.tier, mp.shard_nbytes, -1 - pid))
+                actions.append(Action("fetch", b.id, st.index, mp.tier, int(mp.shard_nbytes * part), -1 - pid))
         elif kind == "gather":
             b = buffer_of.get(st.node)
             if b is None:
                 continue
-            actions.append(Action("gather", b.id, st.index, mp.tier, mp.nbytes, -1 - pid))
-            actions.append(Action("release", b.id, b.end_step, mp.tier, mp.nbytes, -1 - pid))
+            actions.append(Action("gather", b.id, st.index, mp.tier, int(mp.nbytes * part), -1 - pid))
+            actions.append(Action("release", b.id, b.end_step, mp.tier, int(mp.nbytes * part), -1 - pid))
         else:
             b = buffer_of.get(st.node.args[0])
             if b is not None:
-                actions.append(Action("reduce", b.id, st.index, mp.tier, mp.nbytes, -1 - pid))
+                actions.append(Action("reduce", b.id, st.index, mp.tier, int(mp.nbytes * part), -1 - pid))
     actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
     moved, stall = dict(plan.bytes_moved), plan.predicted_stall_s
     if profile is not None:
@@ -221,22 +222,35 @@ def with_param_actions(plan: Plan, facts: GraphFacts, params: dict, profile: Dev
             if a.group >= 0:
                 continue  # an activation's offload/prefetch/wait: simulated by make_plan already
             mp = params[-1 - a.group]
+            shard = int(mp.shard_nbytes * a.nbytes / mp.nbytes) if mp.nbytes else 0  # a tile's share
             if a.kind == "fetch":
                 fetched_at[a.group] = a.step
             elif a.kind == "gather":
                 start = fetched_at.pop(a.group, a.step)
                 hidden = times[a.step] - times[start]
-                stall += max(0.0, profile.transfer_time(mp.shard_nbytes, mp.tier, "in") - hidden)
-                moved[mp.tier] = moved.get(mp.tier, 0) + mp.shard_nbytes
+                stall += max(0.0, profile.transfer_time(shard, mp.tier, "in") - hidden)
+                moved[mp.tier] = moved.get(mp.tier, 0) + shard
             elif a.kind == "reduce":
-                stall += profile.transfer_time(mp.shard_nbytes, mp.tier, "out")
-                moved[mp.tier] = moved.get(mp.tier, 0) + mp.shard_nbytes
+                stall += profile.transfer_time(shard, mp.tier, "out")
+                moved[mp.tier] = moved.get(mp.tier, 0) + shard
     have = {t.id for t in plan.tensors}
     extra = sorted({a.tensor for a in actions} - have)
     tensors = tuple(sorted((*plan.tensors, *(_life(facts.buffers[i], False) for i in extra)), key=lambda t: t.id))
     return dataclasses.replace(plan, actions=tuple(actions), tensors=tensors, bytes_moved=moved,
                                predicted_stall_s=float(stall),
                                params=tuple(sorted(params.values(), key=lambda m: m.pid)))
+
+
+def _part_of(node, mp: ManagedParam) -> float:
+    """The share of its weight a tile op (gather_rows, fetch_rows, reduce_grad_rows) moves."""
+    rows = node.meta.get("zinf", {}).get("rows")
+    if rows is None and node.meta.get("zinf", {}).get("kind") == "fetch":
+        rows = tuple(node.args[3:5]) if len(node.args) >= 5 else None
+    if rows is None:
+        return 1.0
+    p = node.args[1] if node.meta["zinf"].get("kind") == "reduce" else node.args[0]
+    n_rows = p.meta["val"].shape[0]
+    return (rows[1] - rows[0]) / n_rows
 
 
 def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
@@ -313,3 +327,88 @@ def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: st
     return [PrefetchGathers()(g, lambda n: cost(n)[1],
                               lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
                               lambda b: 0 if frees else -(-b // world)) for g in graphs]
+
+
+# -- memory-centric tiling ------------------------------------------------------------------------
+
+TILE_OVERHEAD_S = 50e-6  # one tile's fixed cost: an op dispatch, a read request, a kernel launch
+
+
+def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DeviceProfile, tier: str,
+                 max_tile_bytes: int | None = None) -> dict[int, int]:
+    """How many row tiles each candidate weight gets (pid -> count; absent: not tiled).
+
+    `cands`: pid -> passes.tiling.Candidate (merged over the graphs facts covers). With
+    `max_tile_bytes`, every weight larger than that, in tiles no larger. Otherwise only where the
+    graphs cannot fit at all (their lower bound is over the budget), and only the weights whose
+    matmuls stand at a step over it: at such a step i, tiling takes the whole weight (or its whole
+    gradient) off what must stay live (floor[i]) and puts back k tiles of it (the one in use and
+    the next, fetched ahead; one for a gradient tile), so it needs k * W / T <= budget - (floor[i]
+    - W). The count is the one with the least predicted time between that least count and 4x it:
+    each tile costs TILE_OVERHEAD_S; the first tile's read is not hidden by an earlier tile; a K
+    split re-reads and re-writes its float32 sum once per tile."""
+    import math
+
+    out: dict[int, int] = {}
+    if max_tile_bytes is not None:
+        for pid, c in cands.items():
+            if c.nbytes > max_tile_bytes:
+                out[pid] = min(c.rows, -(-c.nbytes // max_tile_bytes))
+        return out
+    floor = facts.floor
+    if floor is None or not len(floor) or facts.lower_bound <= budget:
+        return out
+    for pid, c in cands.items():
+        need = 1
+        for m in (*c.uses, *c.grads):
+            i = facts.step_of.get(m)
+            if i is None or floor[i] <= budget:
+                continue
+            k = 2 if m in c.uses else 1
+            room = budget - (int(floor[i]) - c.nbytes)
+            need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else c.rows)
+        if need <= 1:
+            continue
+        acc = sum(_nbytes_of(m) for m in c.uses if _splits_k(m, c))
+
+        def cost(t, c=c, acc=acc):
+            return (t * TILE_OVERHEAD_S + profile.transfer_time(c.nbytes // t, tier, "in")
+                    + (t - 1) * 2 * acc / profile.mem_bw)
+
+        top = min(c.rows, 4 * need)
+        out[pid] = min(range(min(need, c.rows), top + 1), key=lambda t: (cost(t), t))
+    return out
+
+
+def _nbytes_of(n) -> int:
+    from zinf_compile.analysis.sizes import tensor_nbytes
+
+    return int(tensor_nbytes(n.meta["val"]))
+
+
+def _splits_k(m, c) -> bool:
+    """Whether the weight reaches matmul m as its contraction dimension (a K split)."""
+    from zinf_compile.passes.tiling import weight_uses
+
+    return any(mm is m and axis == "K" for g in _gathers_of(m) for mm, _, axis in weight_uses(g))
+
+
+def _gathers_of(m):
+    """The whole-weight gathers a matmul reads through transposes."""
+    from zinf_compile.passes.params import is_gather
+    from zinf_compile.passes.tiling import _is_transpose
+
+    out = []
+    for a in m.all_input_nodes:
+        while _is_transpose(a):
+            a = a.args[0]
+        if is_gather(a):
+            out.append(a)
+    return out
+
+
+def tiled_ops_of(graphs) -> tuple[TiledOp, ...]:
+    """The plan's record of the tiled matmuls in rewritten graphs ({role: GraphModule})."""
+    from zinf_compile.passes.tiling import tiled_ops
+
+    return tuple(TiledOp(**t) for t in tiled_ops(graphs.items()))

@@ -72,6 +72,7 @@ class GraphFacts:
     live: np.ndarray = field(repr=False)  # device bytes live at each step
     working_set: np.ndarray = field(repr=False)  # bytes the step itself reads and writes
     lower_bound: int = 0  # peak when every gap is used (prefetch just in time)
+    floor: np.ndarray | None = field(default=None, repr=False)  # per step: live bytes no gap can free
 
     @property
     def peak(self) -> int:
@@ -232,6 +233,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         live=live,
         working_set=ws[:n_steps],
         lower_bound=int(floor.max()) if n_steps else 0,
+        floor=floor,
     )
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from zinf_compile.plan import Plan
-from zinf_compile.report.common import counts_text, groups, param_uses
+from zinf_compile.report.common import counts_text, groups, param_actions, param_uses, pid_of
 from zinf_compile.report.lanes import LANES
 from zinf_compile.report.units import format_bytes, format_seconds
 
@@ -28,7 +28,18 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("actions", counts_text(plan, LANES)),
         ("offloaded tensors", str(len({g.tensor for g in groups(plan)}))),
     ]
-    return rows + param_rows(plan)
+    return rows + param_rows(plan) + tile_rows(plan)
+
+
+def tile_rows(plan: Plan) -> list[tuple[str, str]]:
+    """One row per tiled matmul: the op, its axis, the tile count and the weight tile."""
+    rows = []
+    for t in plan.tiles:
+        what = "gradient of " if t.grad else ""
+        shape = "x".join(map(str, t.tile_shape))
+        rows.append((f"tiled {t.graph} {t.op}", f"{t.target} {what}{t.param}: {t.count} tiles along {t.axis}, "
+                                                f"weight tile {shape} ({format_bytes(t.tile_nbytes)})"))
+    return rows
 
 
 def param_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -45,11 +56,15 @@ def param_rows(plan: Plan) -> list[tuple[str, str]]:
     rows = [("managed parameters", f"{len(uses)}: {format_bytes(whole)} whole, "
                                    f"{format_bytes(shards)} of shards{per_rank} in {where}")]
     gathered = []
+    by_pid = {u.param.pid: u.param for u in uses}
     for tier in tiers:
         mine = [u for u in uses if u.param.tier == tier]
         n = sum(len(u.gathers) for u in mine)
-        read = sum(len(u.gathers) * u.param.shard_nbytes for u in mine)
-        made = sum(len(u.gathers) * u.param.nbytes for u in mine)
+        # a tile's gather reads its share of the shard (action bytes: what it makes on the device)
+        acts = [a for a in param_actions(plan) if a.kind == "gather" and pid_of(a) in by_pid
+                and by_pid[pid_of(a)].tier == tier]
+        made = sum(a.nbytes for a in acts)
+        read = sum(a.nbytes * by_pid[pid_of(a)].shard_nbytes // max(1, by_pid[pid_of(a)].nbytes) for a in acts)
         text = f"{n} per step, {format_bytes(read)} read from {tier}"
         if made != read:
             text += f" ({format_bytes(made)} whole after the all-gather)"

@@ -271,13 +271,16 @@ class OffloadEngine:
             f.result()
         self._copy_in(staging, pending, ready)
 
-    def _chunks(self, nbytes: int):
-        step = CHUNK_BYTES
-        return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)] or [(0, 0)]
+    def _chunks(self, nbytes: int, base: int = 0):
+        """(offset, length) pieces of [0, nbytes), cut where base + offset is a multiple of
+        CHUNK_BYTES: two pieces never share a page of the file (an unaligned O_DIRECT write
+        rewrites its boundary pages, which must be its own)."""
+        cuts = [0, *range(CHUNK_BYTES - base % CHUNK_BYTES, nbytes, CHUNK_BYTES), nbytes]
+        return [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a] or [(0, 0)]
 
     def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> list[Future]:
         view = _byte_view(t) if nbytes else None
-        return [self.pool.submit(fn, fd, view, off, n, base) for off, n in self._chunks(nbytes)]
+        return [self.pool.submit(fn, fd, view, off, n, base) for off, n in self._chunks(nbytes, base)]
 
     def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> None:
         errors = []
@@ -294,10 +297,15 @@ class OffloadEngine:
         if n == 0:
             return
         if self._swap is not None and self._swap.o_direct:
-            padded = _round_up(n, ALIGN)
+            pos = base + off
+            lead = pos % ALIGN  # a tile of a parameter starts anywhere: rewrite its boundary pages
+            padded = _round_up(lead + n, ALIGN)
             buf = _aligned(padded)
-            buf[:n] = view[off:off + n]
-            _pwrite_all(fd, memoryview(buf), base + off)
+            if lead or (lead + n) % ALIGN:
+                _pread_all(fd, memoryview(buf[:ALIGN]), pos - lead, upto_eof=True)
+                _pread_all(fd, memoryview(buf[padded - ALIGN:]), pos - lead + padded - ALIGN, upto_eof=True)
+            buf[lead:lead + n] = view[off:off + n]
+            _pwrite_all(fd, memoryview(buf), pos - lead)
             return
         try:
             _pwrite_all(fd, memoryview(view[off:off + n]), base + off)
@@ -310,9 +318,11 @@ class OffloadEngine:
         if n == 0:
             return
         if self._swap is not None and self._swap.o_direct:
-            buf = _aligned(_round_up(n, ALIGN))
-            _pread_all(fd, memoryview(buf), base + off)
-            view[off:off + n] = buf[:n]
+            pos = base + off
+            lead = pos % ALIGN
+            buf = _aligned(_round_up(lead + n, ALIGN))
+            _pread_all(fd, memoryview(buf), pos - lead)
+            view[off:off + n] = buf[lead:lead + n]
             return
         _pread_all(fd, memoryview(view[off:off + n]), base + off)
 
@@ -375,10 +385,14 @@ def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
         mv, off = mv[written:], off + written
 
 
-def _pread_all(fd: int, mv: memoryview, off: int) -> None:
+def _pread_all(fd: int, mv: memoryview, off: int, upto_eof: bool = False) -> None:
+    """Fill mv from the file at off; `upto_eof`: zeros past the file's end (a page being rewritten)."""
     while len(mv):
         got = os.preadv(fd, [mv], off)
         if got == 0:
+            if upto_eof:
+                mv[:] = bytes(len(mv))
+                return
             raise ZinfError("zinf: swap file ended early (was it removed or truncated?)")
         mv, off = mv[got:], off + got
 

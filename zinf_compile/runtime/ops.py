@@ -7,6 +7,10 @@
     reduce_grad(g, p)                                  -> empty    (g into p's gradient shard)
     fetch(p, engine, tier)                             -> handle   (p's shard read starts)
     gather_from(p, h, engine, tier)                    -> tensor   (gather, from the fetched shard)
+    gather_rows(p, engine, tier, start, end)           -> tensor   (rows [start, end) of p: a tile)
+    fetch_rows(p, engine, tier, start, end)            -> handle   (the tile's read starts)
+    gather_rows_from(p, h, engine, tier, start, end)   -> tensor   (the tile, from the fetch)
+    reduce_grad_rows(g, p, start, end)                 -> empty    (g: the gradient of those rows)
 
 A handle is an int64 tensor shaped like the tensor it stands for, with all strides 0 (one element
 in memory): see engine.py.
@@ -37,6 +41,12 @@ _lib.define("gather_from(Tensor p, Tensor h, int engine, str tier) -> Tensor")
 _lib.define("shard(Tensor p, int engine, str tier) -> Tensor")
 _lib.define("shard_from(Tensor p, Tensor h, int engine, str tier) -> Tensor")
 _lib.define("store_grad(Tensor part, Tensor p) -> Tensor")
+# Memory-centric tiling: rows [start, end) of a parameter (a contiguous range of its shard), read
+# without the rest; a tile's gradient goes into the same rows of the gradient shard.
+_lib.define("gather_rows(Tensor p, int engine, str tier, int start, int end) -> Tensor")
+_lib.define("fetch_rows(Tensor p, int engine, str tier, int start, int end) -> Tensor")
+_lib.define("gather_rows_from(Tensor p, Tensor h, int engine, str tier, int start, int end) -> Tensor")
+_lib.define("reduce_grad_rows(Tensor g, Tensor p, int start, int end) -> Tensor")
 
 
 def _fake_handle(shape) -> torch.Tensor:
@@ -167,6 +177,57 @@ def _store_grad(part, p):
 torch.library.register_fake("zinf::store_grad", _no_result_fake, lib=_lib)
 
 
+def _rows_fake(p, *args):
+    """gather_rows, gather_rows_from: rows [start, end) of the parameter, fresh and contiguous."""
+    start, end = args[-2:]
+    return p.new_empty((end - start, *p.shape[1:]))
+
+
+@torch.library.impl(_lib, "gather_rows", "CompositeExplicitAutograd")
+def _gather_rows(p, engine, tier, start, end):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.gather(p, engine, tier, rows=(start, end))
+
+
+torch.library.register_fake("zinf::gather_rows", _rows_fake, lib=_lib)
+
+
+@torch.library.impl(_lib, "fetch_rows", "CompositeExplicitAutograd")
+def _fetch_rows(p, engine, tier, start, end):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.fetch(p, engine, tier, rows=(start, end))
+
+
+@torch.library.register_fake("zinf::fetch_rows", lib=_lib)
+def _fetch_rows_fake(p, engine, tier, start, end):
+    return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+@torch.library.impl(_lib, "gather_rows_from", "CompositeExplicitAutograd")
+def _gather_rows_from(p, h, engine, tier, start, end):
+    from zinf_compile.runtime.params import STORE
+
+    return STORE.gather_from(p, h, engine, tier, rows=(start, end))
+
+
+torch.library.register_fake("zinf::gather_rows_from", _rows_fake, lib=_lib)
+
+
+@torch.library.impl(_lib, "reduce_grad_rows", "CompositeExplicitAutograd")
+def _reduce_grad_rows(g, p, start, end):
+    from zinf_compile.runtime.params import STORE
+
+    STORE.reduce_grad(p, g, rows=(start, end))
+    return g.new_empty((0,))
+
+
+@torch.library.register_fake("zinf::reduce_grad_rows", lib=_lib)
+def _reduce_grad_rows_fake(g, p, start, end):
+    return g.new_empty((0,))
+
+
 offload = torch.ops.zinf.offload.default
 prefetch = torch.ops.zinf.prefetch.default
 wait = torch.ops.zinf.wait.default
@@ -177,6 +238,13 @@ gather_from = torch.ops.zinf.gather_from.default
 shard = torch.ops.zinf.shard.default
 shard_from = torch.ops.zinf.shard_from.default
 store_grad = torch.ops.zinf.store_grad.default
+gather_rows = torch.ops.zinf.gather_rows.default
+fetch_rows = torch.ops.zinf.fetch_rows.default
+gather_rows_from = torch.ops.zinf.gather_rows_from.default
+reduce_grad_rows = torch.ops.zinf.reduce_grad_rows.default
 torch.fx.node.has_side_effect(reduce_grad)
 torch.fx.node.has_side_effect(store_grad)
-ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad, fetch, gather_from, shard, shard_from, store_grad)
+torch.fx.node.has_side_effect(reduce_grad_rows)
+ZINF_OPS = (offload, prefetch, wait, gather, reduce_grad, fetch, gather_from, shard, shard_from, store_grad,
+            gather_rows, fetch_rows, gather_rows_from, reduce_grad_rows)
+REDUCES = (reduce_grad, store_grad, reduce_grad_rows)  # a gradient into its shard: returns nothing read

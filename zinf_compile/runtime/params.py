@@ -60,6 +60,9 @@ class Entry:
     grad: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
     grad_fd: int | None = None  # nvme tier
     has_grad: bool = False
+    # nvme tier: the flat [lo, hi) ranges of this step's gradient written so far, tile by tile
+    # (empty: the whole file is this step's gradient when has_grad)
+    grad_parts: set = field(default_factory=set)
     state_fds: dict = field(default_factory=dict)  # optimizer states in files (nvme tier)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # the shard's (and its gradient's and optimizer states') dtype: fp32 master shards under a
@@ -107,9 +110,35 @@ class Entry:
         out[:n] = flat[lo:lo + n]
         return out
 
-    def on_device(self, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """The shard (read from its tier unless given) in the parameter's dtype on its device."""
-        return (self.read_shard() if shard is None else shard).to(self.dtype).to(self.device, non_blocking=True)
+    def on_device(self, shard: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The shard, or its `rows` (read from its tier unless given), in the parameter's dtype on
+        its device."""
+        if shard is None:
+            shard = self.read_shard() if rows is None else self.read_rows(rows)
+        return shard.to(self.dtype).to(self.device, non_blocking=True)
+
+    # -- tiles: rows of the parameter (its first dimension), a contiguous range of the shard -----
+    def row_range(self, rows: tuple[int, int]) -> tuple[int, int]:
+        """Flat [lo, hi) of rows [start, end) in the shard (one rank: the shard is the parameter)."""
+        if self.world > 1:
+            raise ZinfError(f"zinf: {self.name!r}: tiles of a parameter sharded over {self.world} ranks are not "
+                            "supported yet (options={'tiling': 'off'} gathers it whole)")
+        row = self.numel // self.shape[0]
+        return rows[0] * row, rows[1] * row
+
+    def read_rows(self, rows: tuple[int, int], futures: list | None = None) -> torch.Tensor:
+        """Rows [start, end) as a fresh flat host tensor; with `futures`, the read is only started
+        (its futures appended) and the tensor is filled when they complete."""
+        lo, hi = self.row_range(rows)
+        if self.tier == "cpu":
+            return self.shard[lo:hi].clone()
+        out = torch.empty(hi - lo, dtype=self.shard_dtype, pin_memory=self.device.type == "cuda")
+        off = lo * self.shard_dtype.itemsize
+        if futures is None:
+            self.engine.read_file(self.fd, out, off)
+        else:
+            futures += self.engine.submit_read(self.fd, out, off)
+        return out
 
     # -- the shard's bytes, wherever they live --------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:
@@ -138,18 +167,58 @@ class Entry:
     def read_grad(self) -> torch.Tensor | None:
         if not self.has_grad:
             return None
+        self.complete_grad()
         if self.tier == "cpu":
             return self.grad
         out = self._host_buffer()
         self.engine.read_file(self.grad_fd, out)
         return out
 
-    def add_grad(self, part: torch.Tensor) -> None:
-        """Accumulate `part` (this rank's flat gradient, on the CPU in shard_dtype, not aliased by
-        anyone) into the shard's gradient."""
+    def add_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Accumulate `part` (this rank's flat gradient, or of `rows` of it, on the CPU in
+        shard_dtype, not aliased by anyone) into the shard's gradient."""
         with self.lock:
-            prev = self.read_grad()
-            self.write_grad(part if prev is None else prev.add_(part))
+            if rows is None:
+                prev = self.read_grad()
+                self.write_grad(part if prev is None else prev.add_(part))
+                return
+            lo, hi = self.row_range(rows)
+            if self.tier == "cpu":
+                if not self.has_grad or self.grad is None:
+                    self.grad = torch.zeros(self.shard_numel, dtype=self.shard_dtype)
+                self.grad[lo:hi].add_(part)
+                self.has_grad = True
+                return
+            if self.grad_fd is None:
+                self.grad_fd = self._acquire()
+            off = lo * self.shard_dtype.itemsize
+            if self.has_grad and (lo, hi) not in self.grad_parts:
+                if any(a < hi and lo < b for a, b in self.grad_parts):
+                    self.complete_grad()  # a range overlapping others: make the whole file valid
+                if not self.grad_parts:  # the whole file is this step's: add to what is there
+                    prev = torch.empty(hi - lo, dtype=self.shard_dtype)
+                    self.engine.read_file(self.grad_fd, prev, off)
+                    part = prev.add_(part)
+            elif (lo, hi) in self.grad_parts:
+                prev = torch.empty(hi - lo, dtype=self.shard_dtype)
+                self.engine.read_file(self.grad_fd, prev, off)
+                part = prev.add_(part)
+            if not self.has_grad or self.grad_parts:
+                self.grad_parts.add((lo, hi))
+            self.engine.write_file(self.grad_fd, part.contiguous(), off)
+            self.has_grad = True
+
+    def complete_grad(self) -> None:
+        """Make the gradient file whole: zeros where no tile wrote this step (nvme tier)."""
+        if not (self.has_grad and self.grad_parts):
+            return
+        at = 0
+        for lo, hi in sorted(self.grad_parts) + [(self.shard_numel, self.shard_numel)]:
+            if lo > at:
+                self.engine.write_file(self.grad_fd, torch.zeros(lo - at, dtype=self.shard_dtype),
+                                       at * self.shard_dtype.itemsize)
+            at = max(at, hi)
+        self.grad_parts.clear()
 
     def write_grad(self, flat: torch.Tensor) -> None:
         if self.tier == "cpu":
@@ -158,6 +227,7 @@ class Entry:
             if self.grad_fd is None:
                 self.grad_fd = self._acquire()
             self.engine.write_file(self.grad_fd, flat.contiguous())
+        self.grad_parts.clear()
         self.has_grad = True
 
     def state_fd(self, name: str) -> int:
@@ -328,23 +398,28 @@ class ParamStore:
         self.stats["fetch_waits_s"] += time.perf_counter() - t0
         return fetched[1]
 
-    def _count_gather(self, e: Entry) -> None:
+    def _count_gather(self, e: Entry, rows: tuple[int, int] | None = None) -> None:
         self.stats["gathers"] += 1
-        self.stats["bytes_gathered"] += e.nbytes
+        self.stats["bytes_gathered"] += e.nbytes if rows is None else e.nbytes // e.shape[0] * (rows[1] - rows[0])
 
-    def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
+    def gather(self, t: torch.Tensor, engine_key: int = 0, tier: str = "",
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The whole parameter, or its `rows` (a tile), fresh on its device."""
         e = self._entry_for(t, engine_key, tier)
-        self._count_gather(e)
-        return self.full(e)
+        self._count_gather(e, rows)
+        return self.full(e, rows=rows)
 
-    def fetch(self, t: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
-        """Start reading the shard of parameter `t` from its tier; the handle goes to gather_from.
-        The handle is a one-element int64 tensor whose storage (numpy-owned) ends the fetch if
-        the handle dies unused."""
+    def fetch(self, t: torch.Tensor, engine_key: int = 0, tier: str = "",
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Start reading the shard of parameter `t` (or its `rows`) from its tier; the handle goes
+        to gather_from. The handle is a one-element int64 tensor whose storage (numpy-owned) ends
+        the fetch if the handle dies unused."""
         e = self._entry_for(t, engine_key, tier)
         ticket = next(self._tickets)
         buf, futures = None, []
-        if e.tier == "nvme":
+        if e.tier == "nvme" and rows is not None:
+            buf = e.read_rows(rows, futures)
+        elif e.tier == "nvme":
             buf = e._host_buffer()
             futures = e.engine.submit_read(e.fd, buf)
         with self._lock:
@@ -354,11 +429,13 @@ class ParamStore:
         self.stats["fetches"] += 1
         return torch.from_numpy(cell)
 
-    def gather_from(self, t: torch.Tensor, handle: torch.Tensor, engine_key: int = 0, tier: str = "") -> torch.Tensor:
-        """The whole parameter, from the shard a fetch started reading (read now if none did)."""
+    def gather_from(self, t: torch.Tensor, handle: torch.Tensor, engine_key: int = 0, tier: str = "",
+                    rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The whole parameter (or its `rows`), from the shard a fetch started reading (read now
+        if none did)."""
         e = self._entry_for(t, engine_key, tier)
-        self._count_gather(e)
-        return self.full(e, shard=self._take_fetch(e, handle))
+        self._count_gather(e, rows)
+        return self.full(e, shard=self._take_fetch(e, handle), rows=rows)
 
     def local_shard(self, t: torch.Tensor, engine_key: int, tier: str, handle: torch.Tensor | None = None):
         """This rank's padded flat shard on the device in the parameter's dtype (the graph
@@ -374,8 +451,12 @@ class ParamStore:
         e.add_grad((part.detach() / e.world).to("cpu", e.shard_dtype))
         self.stats["reduces"] += 1
 
-    def full(self, e: Entry, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole parameter, fresh, on its device (an all-gather over ranks when sharded)."""
+    def full(self, e: Entry, shard: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The whole parameter, fresh, on its device (an all-gather over ranks when sharded); with
+        `rows`, those rows of it (`shard`: what a fetch of them read)."""
+        if rows is not None:
+            e.row_range(rows)  # one rank only
+            return e.on_device(shard, rows).view(rows[1] - rows[0], *e.shape[1:])
         shard = e.on_device(shard)
         if e.world > 1:
             flat = torch.empty(e.shard_numel * e.world, dtype=e.dtype, device=e.device)
@@ -384,12 +465,19 @@ class ParamStore:
             flat = shard
         return flat[: e.numel].view(e.shape)
 
-    def reduce_grad(self, t: torch.Tensor, g: torch.Tensor, average: bool = True) -> None:
+    def reduce_grad(self, t: torch.Tensor, g: torch.Tensor, average: bool = True,
+                    rows: tuple[int, int] | None = None) -> None:
         """Add this step's gradient of parameter `t` (whole, from this rank's batch) into the
         shard's gradient; over ranks, the mean (as DDP and DeepSpeed do). `average=False`: g is
-        already the mean over ranks (a resident parameter's .grad): just take this rank's part."""
+        already the mean over ranks (a resident parameter's .grad): just take this rank's part.
+        `rows`: g is the gradient of those rows only (a tile; one rank)."""
         e = self._require(t)
         flat = g.detach().reshape(-1)
+        if rows is not None:
+            e.row_range(rows)
+            e.add_grad(flat.to("cpu", e.shard_dtype, copy=True), rows)
+            self.stats["reduces"] += 1
+            return
         if e.world > 1 and not average:
             part = e.slice_of(flat)
         elif e.world > 1:
@@ -408,6 +496,7 @@ class ParamStore:
         for e in entries if entries is not None else self.entries():
             e.grad = None
             e.has_grad = False
+            e.grad_parts.clear()
 
     def _require(self, t: torch.Tensor) -> Entry:
         e = self.entry(t)

@@ -1,0 +1,353 @@
+"""Memory-centric tiling: ZeRO-Infinity's TiledLinear, done by the compiler from the plan.
+
+A matmul that reads a managed parameter gathered whole needs the whole weight on the device at
+once, and the one that computes its gradient makes a whole weight-sized gradient. When that does
+not fit the budget next to what must stay live, TileParams splits both along the weight's rows (its
+first dimension: a contiguous range of the shard, read from the tier without the rest):
+
+    forward   y  = x  @ W.T    split N   tiles concatenated              (exact per element)
+    grad x    gx = gy @ W      split K   tiles accumulated in float32   (summation order changes)
+    grad W    gW = gy.T @ x    split M   each tile to reduce_grad_rows   (never whole)
+
+Each tile reads `gather_rows(p, start, end)` right before its matmul; Inductor frees it after;
+PrefetchGathers then fetches the next tile's rows ahead, under the current tile's compute. An
+operand split along M or N of the *other* operand never shrinks the weight, so the split axis of
+each matmul is the one that splits the weight's rows; the planner chooses how many tiles.
+
+`tile_matmul` is the rewrite itself, for any mm/addmm/bmm along M, N or K.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .base import PassReport
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+AXES = ("M", "N", "K")
+_FP32_ACC = (torch.float32, torch.float64)  # dtypes whose K tiles accumulate in place (addmm chain)
+
+
+def split_bounds(n: int, count: int) -> list[tuple[int, int]]:
+    """`count` (at most n) contiguous [start, end) ranges covering [0, n), sizes differing by <= 1."""
+    count = max(1, min(int(count), int(n)))
+    q, r = divmod(int(n), count)
+    out, s = [], 0
+    for i in range(count):
+        e = s + q + (1 if i < r else 0)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def _emit(graph: fx.Graph, target, args, kwargs=None) -> fx.Node:
+    """A call_function node with its fake value computed from its inputs'."""
+    from torch._guards import detect_fake_mode
+
+    kwargs = kwargs or {}
+    n = graph.call_function(target, tuple(args), kwargs)
+    fargs, fkwargs = fx.node.map_arg((tuple(args), kwargs), lambda a: a.meta["val"])
+    vals = [a for a in fx.node.map_aggregate(fargs, lambda a: a) if isinstance(a, torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    with mode if mode is not None else contextlib.nullcontext():
+        n.meta["val"] = target(*fargs, **fkwargs)
+    return n
+
+
+def _operands(node: fx.Node):
+    """(bias or None, a, b, beta, alpha) of an mm/addmm/bmm node."""
+    if node.target is aten.addmm.default:
+        bias, a, b = node.args[:3]
+        return bias, a, b, node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    return None, node.args[0], node.args[1], 1, 1
+
+
+def _slice(graph, x: fx.Node, dim: int, s: int, e: int) -> fx.Node:
+    return _emit(graph, aten.slice.Tensor, (x, dim, s, e))
+
+
+def tile_matmul(graph: fx.Graph, node: fx.Node, axis: str, bounds: list[tuple[int, int]],
+                a_tiles: list | None = None, b_tiles: list | None = None, combine: bool = True,
+                tag: dict | None = None) -> list[fx.Node]:
+    """Rewrite the mm/addmm/bmm `node` into one matmul per range of `bounds` along `axis`:
+    M (rows of a and of the result), N (columns of b and of the result) or K (the contraction).
+    `a_tiles`/`b_tiles`: nodes to use as that operand's tiles instead of slices of it (a weight's
+    rows read tile by tile). M/N tiles are concatenated; K tiles accumulate into one float32 sum
+    (in place through addmm/baddbmm for float32/64, else summed in float32 and cast back).
+    `combine=False` (M/N only) leaves the tiles to the caller: the node's users are untouched
+    and the node stays. Returns the tile results (M/N) or [the sum] (K), after `combine`."""
+    if node.target not in MATMULS or axis not in AXES:
+        raise ValueError(f"cannot tile {node.format_node()} along {axis!r}")
+    if axis == "K" and not combine:
+        raise ValueError("K tiles are partial sums: they must be combined")
+    bias, a, b, beta, alpha = _operands(node)
+    kind = MATMULS[node.target]
+    d = a.meta["val"].dim()
+    out_val = node.meta["val"]
+    tiles: list[fx.Node] = []
+    with graph.inserting_before(node):
+        acc = None
+        for i, (s, e) in enumerate(bounds):
+            A = a_tiles[i] if a_tiles else (_slice(graph, a, d - 2, s, e) if axis == "M" else
+                                            _slice(graph, a, d - 1, s, e) if axis == "K" else a)
+            B = b_tiles[i] if b_tiles else (_slice(graph, b, d - 1, s, e) if axis == "N" else
+                                            _slice(graph, b, d - 2, s, e) if axis == "K" else b)
+            if axis in ("M", "N"):
+                if bias is not None:
+                    bv, dim = bias.meta["val"], (0 if axis == "M" else 1)
+                    bdim = bv.dim() - 2 + dim  # bias broadcasts against [M, N] from the right
+                    bt = _slice(graph, bias, bdim, s, e) if bdim >= 0 and bv.shape[bdim] != 1 else bias
+                    y = _emit(graph, aten.addmm.default, (bt, A, B), {"beta": beta, "alpha": alpha}
+                              if (beta, alpha) != (1, 1) else {})
+                else:
+                    y = _emit(graph, node.target, (A, B))
+                tiles.append(y)
+            elif out_val.dtype in _FP32_ACC:
+                if acc is None:
+                    acc = (_emit(graph, aten.addmm.default, (bias, A, B), {"beta": beta, "alpha": alpha}
+                                 if (beta, alpha) != (1, 1) else {}) if bias is not None
+                           else _emit(graph, node.target, (A, B)))
+                else:
+                    acc_op = aten.baddbmm.default if kind == "bmm" else aten.addmm.default
+                    acc = _emit(graph, acc_op, (acc, A, B), {"alpha": alpha} if alpha != 1 else {})
+                tiles.append(acc)
+            else:
+                product = aten.bmm.default if kind == "bmm" else aten.mm.default
+                part = _emit(graph, torch.ops.prims.convert_element_type.default,
+                             (_emit(graph, product, (A, B)), torch.float32))
+                acc = part if acc is None else _emit(graph, aten.add.Tensor, (acc, part))
+                tiles.append(acc)
+        for i, y in enumerate(tiles):
+            y.meta["zinf_tile"] = {**(tag or {}), "op": node.name, "target": kind, "axis": axis, "index": i,
+                                   "count": len(bounds), "range": tuple(bounds[i])}
+        if not combine:
+            return tiles
+        if axis in ("M", "N"):
+            out = _emit(graph, aten.cat.default, (tiles, (d - 2) if axis == "M" else (d - 1)))
+        elif out_val.dtype in _FP32_ACC:
+            out = acc
+        else:
+            if alpha != 1:
+                acc = _emit(graph, aten.mul.Tensor, (acc, alpha))
+            if bias is not None:
+                b32 = _emit(graph, torch.ops.prims.convert_element_type.default, (bias, torch.float32))
+                acc = _emit(graph, aten.add.Tensor, (acc, b32), {"alpha": beta} if beta != 1 else {})
+            out = _emit(graph, torch.ops.prims.convert_element_type.default, (acc, out_val.dtype))
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return [out] if axis == "K" else tiles
+
+
+# -- the weight's side: which matmuls read a gathered parameter, along which of its dimensions ------
+
+def _is_transpose(n: fx.Node) -> bool:
+    """A 2-d transpose: t, transpose(0, 1), permute([1, 0])."""
+    if n.op != "call_function":
+        return False
+    if n.target is aten.t.default:
+        return True
+    if n.target is aten.transpose.int:
+        return sorted(int(x) % 2 for x in n.args[1:3]) == [0, 1] and n.args[0].meta["val"].dim() == 2
+    if n.target is aten.permute.default:
+        return list(n.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+    return False
+
+
+def weight_uses(g: fx.Node) -> list[tuple[fx.Node, fx.Node, str]]:
+    """The matmuls reading the gathered weight `g` (2-d) through transposes only: (matmul, the
+    operand node it reads, the axis that splits the weight's rows). Other users are not listed."""
+    out, todo = [], [(g, 0)]
+    while todo:
+        v, flips = todo.pop()
+        for u in v.users:
+            if _is_transpose(u):
+                todo.append((u, flips + 1))
+            elif u.op == "call_function" and u.target in (aten.mm.default, aten.addmm.default):
+                _, a, b, _, _ = _operands(u)
+                if a is v and b is not v:
+                    out.append((u, v, "M" if flips % 2 == 0 else "K"))
+                elif b is v and a is not v:
+                    out.append((u, v, "K" if flips % 2 == 0 else "N"))
+    return out
+
+
+def grad_source(r: fx.Node) -> tuple[fx.Node, str, int] | None:
+    """For reduce_grad(gW, p): the matmul that computes gW through transposes only, the axis that
+    splits the weight's rows in it, and the number of transposes; None when gW comes otherwise
+    (a sum of two uses' gradients, say) or the matmul's result is read by anything else."""
+    v, flips = r.args[0], 0
+    while isinstance(v, fx.Node) and _is_transpose(v) and len(v.users) == 1:
+        v, flips = v.args[0], flips + 1
+    if not (isinstance(v, fx.Node) and v.target is aten.mm.default and len(v.users) == 1):
+        return None
+    return v, ("M" if flips % 2 == 0 else "N"), flips
+
+
+def _param_of(n: fx.Node) -> fx.Node | None:
+    return next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("zinf", {}).get("kind") == "param"),
+                None)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A managed parameter whose matmuls tiling can split (read off one graph)."""
+
+    pid: int
+    name: str
+    rows: int
+    nbytes: int  # the gathered weight
+    uses: tuple = field(default=())  # matmul nodes reading its whole gather
+    grads: tuple = field(default=())  # matmul nodes computing its whole gradient
+    others: tuple = field(default=())  # names of other readers of the whole gather (they keep it)
+
+
+def candidates(graph: fx.Graph) -> dict[int, Candidate]:
+    """The managed 2-d parameters this graph gathers whole (one rank) or reduces whole, with the
+    matmuls tiling would split."""
+    from zinf_compile.runtime.ops import gather, reduce_grad
+
+    found: dict[int, dict] = {}
+
+    def slot(p: fx.Node) -> dict | None:
+        val, z = p.meta.get("val"), p.meta.get("zinf", {})
+        if not isinstance(val, torch.Tensor) or val.dim() != 2 or z.get("kind") != "param":
+            return None
+        return found.setdefault(z["pid"], {"pid": z["pid"], "name": z["name"], "rows": int(val.shape[0]),
+                                           "nbytes": int(val.numel()) * val.element_size(),
+                                           "uses": [], "grads": [], "others": []})
+
+    for g in graph.find_nodes(op="call_function", target=gather):
+        c = slot(g.args[0])
+        if c is None:
+            continue
+        uses = weight_uses(g)
+        c["uses"] += [m for m, _, _ in uses]
+        reached = {v for _, v, _ in uses}
+        c["others"] += [u.name for v in [g, *reached] for u in v.users
+                        if u not in {m for m, _, _ in uses} and not _is_transpose(u)]
+    for r in graph.find_nodes(op="call_function", target=reduce_grad):
+        p = r.args[1]
+        c = slot(p) if isinstance(p, fx.Node) else None
+        src = grad_source(r) if c is not None else None
+        if src is not None:
+            c["grads"].append(src[0])
+    return {pid: Candidate(c["pid"], c["name"], c["rows"], c["nbytes"], tuple(c["uses"]), tuple(c["grads"]),
+                           tuple(c["others"])) for pid, c in found.items() if c["uses"] or c["grads"]}
+
+
+@dataclass(frozen=True)
+class TileParams:
+    """Split the matmuls of each parameter in `tiles` (pid -> row ranges) tile by tile: the
+    weight's rows gathered per tile, the gradient's rows reduced per tile (module docstring)."""
+
+    name: str = "tile-matmuls"
+
+    def __call__(self, graph: fx.Graph, tiles: dict[int, list[tuple[int, int]]]) -> PassReport:
+        from zinf_compile.runtime.ops import gather, gather_rows, reduce_grad, reduce_grad_rows
+
+        changes, n_tiles = [], 0
+        for g in list(graph.find_nodes(op="call_function", target=gather)):
+            p = g.args[0]
+            z = p.meta.get("zinf", {})
+            bounds = tiles.get(z.get("pid"))
+            if not bounds or p.meta["val"].dim() != 2:
+                continue
+            for m, v, axis in weight_uses(g):
+                chain = []  # the transposes from the gather to the operand, to apply to each tile
+                x = v
+                while x is not g:
+                    chain.insert(0, x)
+                    x = x.args[0]
+                with graph.inserting_before(m):
+                    rows = []
+                    for s, e in bounds:
+                        t = _emit(graph, gather_rows, (p, *g.args[1:3], s, e))
+                        t.meta["zinf"] = {"kind": "gather", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
+                        for _ in chain:
+                            t = _transpose(graph, t)
+                        rows.append(t)
+                _, a, _, _, _ = _operands(m)
+                tag = _weight_tag(p, z, bounds)
+                name = m.name
+                if v is a:
+                    tile_matmul(graph, m, axis, bounds, a_tiles=rows, tag=tag)
+                else:
+                    tile_matmul(graph, m, axis, bounds, b_tiles=rows, tag=tag)
+                n_tiles += len(bounds)
+                changes.append(f"{name}: {len(bounds)} tiles along {axis}, rows of {z['name']} gathered per tile")
+            _erase_dead(graph, g)
+        for r in list(graph.find_nodes(op="call_function", target=reduce_grad)):
+            p = r.args[1]
+            z = p.meta.get("zinf", {}) if isinstance(p, fx.Node) else {}
+            bounds = tiles.get(z.get("pid"))
+            src = grad_source(r) if bounds else None
+            if src is None:
+                continue
+            m, axis, flips = src
+            name = m.name
+            parts = tile_matmul(graph, m, axis, bounds, combine=False, tag={**_weight_tag(p, z, bounds), "grad": True})
+            for (s, e), y in zip(bounds, parts):
+                with graph.inserting_after(y):
+                    w = _transpose(graph, y) if axis == "N" else y
+                with graph.inserting_after(w):
+                    red = _emit(graph, reduce_grad_rows, (w, p, s, e))
+                red.meta["zinf"] = {"kind": "reduce", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
+            graph.erase_node(r)
+            _erase_dead(graph, m)
+            n_tiles += len(bounds)
+            changes.append(f"{name}: gradient of {z['name']} in {len(bounds)} tiles along {axis}, each reduced "
+                           "into its rows")
+        graph.lint()
+        return PassReport(self.name, tuple(changes), {"tiles": n_tiles} if n_tiles else {})
+
+
+def _transpose(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    # permute, not t: Inductor's graphs are decomposed (it has no lowering for aten.t)
+    return _emit(graph, aten.permute.default, (x, [1, 0]))
+
+
+def _weight_tag(p: fx.Node, z: dict, bounds) -> dict:
+    """What a weight's tiles record for the plan: the parameter, the largest tile's shape and bytes."""
+    val = p.meta["val"]
+    rows = max(e - s for s, e in bounds)
+    return {"param": z["name"], "pid": z["pid"], "tile": (rows, *map(int, val.shape[1:])),
+            "tile_nbytes": rows * (int(val.numel()) // int(val.shape[0])) * val.element_size()}
+
+
+def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
+    """Once nothing reads n: erase the transposes hanging off n that nothing reads, n, and the
+    transposes feeding n that nothing else reads."""
+    def dead_below(x: fx.Node) -> None:
+        for u in list(x.users):
+            if _is_transpose(u):
+                dead_below(u)
+                if not u.users:
+                    graph.erase_node(u)
+
+    dead_below(n)
+    while n is not None and not n.users and n.op == "call_function":
+        ins = n.all_input_nodes
+        graph.erase_node(n)
+        n = ins[0] if len(ins) == 1 and _is_transpose(ins[0]) else None
+
+
+def tiled_ops(graphs) -> list[dict]:
+    """The tiled matmuls of rewritten graphs, one entry per original op: graph, op, kind, axis,
+    count, param, the weight tile's shape and bytes (from the tiles' meta)."""
+    out: dict[tuple, dict] = {}
+    for role, gm in graphs:
+        for n in gm.graph.nodes:
+            t = n.meta.get("zinf_tile")
+            if t is None:
+                continue
+            key = (role, t["op"])
+            if key not in out:
+                shape = t.get("tile") or tuple(int(x) for x in n.meta["val"].shape)
+                out[key] = {"graph": role, "op": t["op"], "target": t["target"], "axis": t["axis"],
+                            "count": t["count"], "param": t.get("param", ""), "grad": bool(t.get("grad")),
+                            "tile_shape": tuple(shape), "tile_nbytes": int(t.get("tile_nbytes", 0))}
+    return list(out.values())
