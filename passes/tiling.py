@@ -75,8 +75,9 @@ def tile_matmul(graph: fx.Graph, node: fx.Node, axis: str, bounds: list[tuple[in
                 tag: dict | None = None) -> list[fx.Node]:
     """Rewrite the mm/addmm/bmm `node` into one matmul per range of `bounds` along `axis`:
     M (rows of a and of the result), N (columns of b and of the result) or K (the contraction).
-    `a_tiles`/`b_tiles`: nodes to use as that operand's tiles instead of slices of it (a weight's
-    rows read tile by tile). M/N tiles are concatenated; K tiles accumulate into one float32 sum
+    `a_tiles`/`b_tiles`: make(i, start, end) -> the node to use as that operand's i-th tile instead
+    of a slice of it (a weight's rows read tile by tile), called where the tile's matmul goes, so
+    each tile is made just before its use. M/N tiles are concatenated; K tiles accumulate into one float32 sum
     (in place through addmm/baddbmm for float32/64, else summed in float32 and cast back).
     `combine=False` (M/N only) leaves the tiles to the caller: the node's users are untouched
     and the node stays. Returns the tile results (M/N) or [the sum] (K), after `combine`."""
@@ -92,10 +93,10 @@ def tile_matmul(graph: fx.Graph, node: fx.Node, axis: str, bounds: list[tuple[in
     with graph.inserting_before(node):
         acc = None
         for i, (s, e) in enumerate(bounds):
-            A = a_tiles[i] if a_tiles else (_slice(graph, a, d - 2, s, e) if axis == "M" else
-                                            _slice(graph, a, d - 1, s, e) if axis == "K" else a)
-            B = b_tiles[i] if b_tiles else (_slice(graph, b, d - 1, s, e) if axis == "N" else
-                                            _slice(graph, b, d - 2, s, e) if axis == "K" else b)
+            A = a_tiles(i, s, e) if a_tiles else (_slice(graph, a, d - 2, s, e) if axis == "M" else
+                                                  _slice(graph, a, d - 1, s, e) if axis == "K" else a)
+            B = b_tiles(i, s, e) if b_tiles else (_slice(graph, b, d - 1, s, e) if axis == "N" else
+                                                  _slice(graph, b, d - 2, s, e) if axis == "K" else b)
             if axis in ("M", "N"):
                 if bias is not None:
                     bv, dim = bias.meta["val"], (0 if axis == "M" else 1)
@@ -262,14 +263,14 @@ class TileParams:
                 while x is not g:
                     chain.insert(0, x)
                     x = x.args[0]
-                with graph.inserting_before(m):
-                    rows = []
-                    for s, e in bounds:
-                        t = _emit(graph, gather_rows, (p, *g.args[1:3], s, e))
-                        t.meta["zinf"] = {"kind": "gather", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
-                        for _ in chain:
-                            t = _transpose(graph, t)
-                        rows.append(t)
+
+                def rows(i, s, e, p=p, g=g, z=z, chain=chain):
+                    t = _emit(graph, gather_rows, (p, *g.args[1:3], s, e))
+                    t.meta["zinf"] = {"kind": "gather", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
+                    for _ in chain:
+                        t = _transpose(graph, t)
+                    return t
+
                 _, a, _, _, _ = _operands(m)
                 tag = _weight_tag(p, z, bounds)
                 name = m.name

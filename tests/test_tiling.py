@@ -207,6 +207,10 @@ def test_the_whole_weight_never_exists_and_its_tiles_are_fetched_ahead(trained):
         tiles = [n for n in gm.graph.nodes if n.target in (gather_rows, gather_rows_from)]
         assert tiles and all(n.meta["val"].numel() < 600 * 600 for n in tiles)
         assert gm.graph.find_nodes(op="call_function", target=fetch_rows)  # the next tile read ahead
+        # one tile at a time: each tile's rows are read right before its matmul, never two ahead
+        seq = [("g" if n.target in (gather_rows, gather_rows_from) else "m") for n in gm.graph.nodes
+               if n.target in (gather_rows, gather_rows_from) or "zinf_tile" in n.meta and not n.meta["zinf_tile"].get("grad")]
+        assert "gg" not in "".join(seq), (role, "".join(seq))
     kinds = rec.plan.action_counts()
     assert kinds["gather"] >= 3 * 2 and kinds["reduce"] >= 2
 
