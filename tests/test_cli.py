@@ -175,3 +175,38 @@ def test_plan_with_activation_offloads_and_managed_parameters(tmp_path):
                  for p in plan.params if -1 - p.pid == a.group)
     assert plan.bytes_moved["nvme"] == activations + params
     assert plan.peak_after <= plan.budget
+
+
+# -- memory-centric tiling in the offline plan -------------------------------------------------------
+
+TILED = os.path.join(ROOT, "examples", "tiled.py") + ":build"
+SMALL_BIG = ["--arg", "batch=16", "--arg", "d_in=24", "--arg", "width=600", "--arg", "d_out=10",
+             "--params", "offload", "--offload", "nvme"]  # big.weight: 600 x 600 fp32, 1.37 MiB
+
+
+def test_plan_tiles_a_weight_larger_than_the_budget_and_shows_it(tmp_path, capsys):
+    assert main(["plan", TILED, *SMALL_BIG, "--budget", "1MiB", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(str(tmp_path / "plan.json"))  # the tiles survive the JSON round trip
+    tiles = {(t.graph, t.axis, t.grad): t for t in plan.tiles}
+    assert set(tiles) == {("forward", "N", False), ("backward", "K", False), ("backward", "M", True)}
+    t = tiles[("forward", "N", False)]
+    assert t.param == "big.weight" and t.count >= 2 and t.tile_shape == (-(-600 // t.count), 600)
+    assert plan.peak_after <= plan.budget == 1 << 20
+    assert f"tiled forward {t.op}" in out and f"{t.count} tiles along N, weight tile {t.tile_shape[0]}x600" in out
+    html = (tmp_path / "report.html").read_text()
+    assert "tiles along K" in html  # the report's summary lists them too
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "plan.json"), "--out", str(tmp_path / "shown")]) == 0
+    assert f"{t.count} tiles along M" in capsys.readouterr().out
+
+
+def test_plan_without_tiling_names_the_bound_and_max_tile_bytes_forces_tiles(tmp_path, capsys):
+    assert main(["plan", TILED, *SMALL_BIG, "--budget", "1MiB", "--tiling", "off", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "lower bound" in err and "1.00 MiB is impossible" in err
+    # forced: every managed weight over 200 KB in tiles of at most 200 KB, even with no budget pressure
+    assert main(["plan", TILED, *SMALL_BIG, "--max-tile-bytes", "200KB", "--out", str(tmp_path), "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "plan.json"))
+    assert plan.tiles and all(t.tile_nbytes <= 200_000 for t in plan.tiles)
+    assert {t.count for t in plan.tiles} == {-(-600 * 600 * 4 // 200_000)}

@@ -42,3 +42,17 @@ def test_defaults():
     assert cfg.budget is None and cfg.offload == "auto"
     assert cfg.tier_for("cpu") == "nvme" and cfg.tier_for("cuda") == "cpu"
     assert ZinfConfig.from_options({"budget": "1GB"}).key() != cfg.key()
+
+
+def test_tiling_option():
+    assert ZinfConfig.from_options(None).tiling == "auto"
+    assert ZinfConfig.from_options({"tiling": "off"}).tiling == "off"
+    cfg = ZinfConfig.from_options({"tiling": {"max_tile_bytes": "64MiB"}})
+    assert (cfg.tiling, cfg.max_tile_bytes) == ("force", 64 << 20)
+    assert cfg.key() != ZinfConfig.from_options({"tiling": {"max_tile_bytes": "32MiB"}}).key()
+    with pytest.raises(ZinfConfigError, match="tiling: expected 'auto', 'off'"):
+        ZinfConfig.from_options({"tiling": "on"})
+    with pytest.raises(ZinfConfigError, match="tiling: expected {'max_tile_bytes': n}"):
+        ZinfConfig.from_options({"tiling": {"tile": 3}})
+    with pytest.raises(ZinfConfigError, match="tiling.max_tile_bytes"):
+        ZinfConfig.from_options({"tiling": {"max_tile_bytes": "big"}})
