@@ -9,6 +9,7 @@ BENCHMARKS = {
     "memory": "bench.memory",
     "malloc": "bench.malloc",
     "params": "bench.params",
+    "tiling": "bench.tiling",
 }
 
 
