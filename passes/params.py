@@ -160,6 +160,19 @@ def _whole_copies(g: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _refresh_views(g: fx.Node) -> None:
+    """The views and casts of a gather were traced on the parameter: their fake values alias the
+    parameter's storage, so the analysis would count the gathered tensor dead at its first view
+    (before the matmul that reads the view). Recompute them from the gather's value."""
+    from torch._guards import detect_fake_mode
+
+    for n in _whole_copies(g)[1:]:  # breadth-first from g: a node's input is refreshed first
+        args = fx.node.map_arg(n.args, lambda a: a.meta["val"])
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta["val"])
+        with detect_fake_mode([g.meta["val"]]):
+            n.meta["val"] = n.target(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class InsertGathers:
     name: str = "insert-gathers"
@@ -188,6 +201,7 @@ class InsertGathers:
             g = chain[-1]
             g.meta["zinf"] = {"kind": "gather", "name": meta["name"], "pid": meta["pid"]}
             p.replace_all_uses_with(g, delete_user_cb=lambda u, c=chain: u is not c[0])
+            _refresh_views(g)
             if recompute:
                 for n in chain[:-1] + _whole_copies(g):
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
@@ -363,27 +377,6 @@ def _fake_handle(val):
 
     with detect_fake_mode([val]):
         return torch.empty((1,), dtype=torch.int64, device="cpu")
-
-
-def remove_param_nodes(graph: fx.Graph) -> None:
-    """Undo InsertGathers/PrefetchGathers on a graph (a plan that did not fit: try another choice)."""
-    from zinf_compile.runtime.ops import fetch
-
-    for n in reversed(list(graph.nodes)):
-        if n.meta.get("zinf", {}).get("kind") != "gather":
-            continue
-        head = n
-        while head.meta.get("zinf", {}).get("kind") != "shard" and not is_gather(head):
-            head = head.args[0]
-        n.replace_all_uses_with(head.args[0])
-    for n in reversed(list(graph.nodes)):
-        if n.meta.get("zinf", {}).get("kind") in GATHER_PARTS and not n.users:
-            graph.erase_node(n)
-    for f in list(graph.find_nodes(op="call_function", target=fetch)):
-        graph.erase_node(f)
-    for n in graph.find_nodes(op="placeholder"):
-        if n.meta.get("zinf", {}).get("kind") == "param":
-            del n.meta["zinf"]
 
 
 def saved_whole_parameters(fw: fx.GraphModule) -> list[str]:

@@ -158,15 +158,29 @@ def _is_transpose(n: fx.Node) -> bool:
     return False
 
 
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _is_cast(n: fx.Node) -> bool:
+    """A dtype cast of one tensor (autocast's bf16 copy of a weight)."""
+    return n.op == "call_function" and n.target in _CASTS and len(n.all_input_nodes) == 1
+
+
+def _is_link(n: fx.Node) -> bool:
+    """A node between a weight's gather and its matmul that a tile goes through the same way."""
+    return _is_transpose(n) or _is_cast(n)
+
+
 def weight_uses(g: fx.Node) -> list[tuple[fx.Node, fx.Node, str]]:
-    """The matmuls reading the gathered weight `g` (2-d) through transposes only: (matmul, the
-    operand node it reads, the axis that splits the weight's rows). Other users are not listed."""
+    """The matmuls reading the gathered weight `g` (2-d) through transposes and casts only:
+    (matmul, the operand node it reads, the axis that splits the weight's rows). Other users are
+    not listed."""
     out, todo = [], [(g, 0)]
     while todo:
         v, flips = todo.pop()
         for u in v.users:
-            if _is_transpose(u):
-                todo.append((u, flips + 1))
+            if _is_link(u):
+                todo.append((u, flips + _is_transpose(u)))
             elif u.op == "call_function" and u.target in (aten.mm.default, aten.addmm.default):
                 _, a, b, _, _ = _operands(u)
                 if a is v and b is not v:
@@ -176,16 +190,20 @@ def weight_uses(g: fx.Node) -> list[tuple[fx.Node, fx.Node, str]]:
     return out
 
 
-def grad_source(r: fx.Node) -> tuple[fx.Node, str, int] | None:
-    """For reduce_grad(gW, p): the matmul that computes gW through transposes only, the axis that
-    splits the weight's rows in it, and the number of transposes; None when gW comes otherwise
-    (a sum of two uses' gradients, say) or the matmul's result is read by anything else."""
-    v, flips = r.args[0], 0
-    while isinstance(v, fx.Node) and _is_transpose(v) and len(v.users) == 1:
-        v, flips = v.args[0], flips + 1
+def grad_source(r: fx.Node) -> tuple[fx.Node, str, list] | None:
+    """For reduce_grad(gW, p): the matmul that computes gW through transposes and casts only, the
+    axis that splits the weight's rows in it, and the casts on the way (from the matmul out);
+    None when gW comes otherwise (a sum of two uses' gradients, say) or the matmul's result is
+    read by anything else."""
+    v, flips, casts = r.args[0], 0, []
+    while isinstance(v, fx.Node) and _is_link(v) and len(v.users) == 1:
+        if _is_cast(v):
+            casts.insert(0, v)
+        flips += _is_transpose(v)
+        v = v.args[0]
     if not (isinstance(v, fx.Node) and v.target is aten.mm.default and len(v.users) == 1):
         return None
-    return v, ("M" if flips % 2 == 0 else "N"), flips
+    return v, ("M" if flips % 2 == 0 else "N"), casts
 
 
 def _param_of(n: fx.Node) -> fx.Node | None:
@@ -229,7 +247,7 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
         c["uses"] += [m for m, _, _ in uses]
         reached = {v for _, v, _ in uses}
         c["others"] += [u.name for v in [g, *reached] for u in v.users
-                        if u not in {m for m, _, _ in uses} and not _is_transpose(u)]
+                        if u not in {m for m, _, _ in uses} and not _is_link(u)]
     for r in graph.find_nodes(op="call_function", target=reduce_grad):
         p = r.args[1]
         c = slot(p) if isinstance(p, fx.Node) else None
@@ -258,7 +276,7 @@ class TileParams:
             if not bounds or p.meta["val"].dim() != 2:
                 continue
             for m, v, axis in weight_uses(g):
-                chain = []  # the transposes from the gather to the operand, to apply to each tile
+                chain = []  # the transposes and casts from the gather to the operand, for each tile
                 x = v
                 while x is not g:
                     chain.insert(0, x)
@@ -267,8 +285,9 @@ class TileParams:
                 def rows(i, s, e, p=p, g=g, z=z, chain=chain):
                     t = _emit(graph, gather_rows, (p, *g.args[1:3], s, e))
                     t.meta["zinf"] = {"kind": "gather", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
-                    for _ in chain:
-                        t = _transpose(graph, t)
+                    for x in chain:  # the same op on the tile (permute for t: Inductor has no t)
+                        t = _transpose(graph, t) if _is_transpose(x) else _emit(graph, x.target, (t, *x.args[1:]),
+                                                                                 dict(x.kwargs))
                     return t
 
                 _, a, _, _, _ = _operands(m)
@@ -288,12 +307,15 @@ class TileParams:
             src = grad_source(r) if bounds else None
             if src is None:
                 continue
-            m, axis, flips = src
+            m, axis, casts = src
             name = m.name
             parts = tile_matmul(graph, m, axis, bounds, combine=False, tag={**_weight_tag(p, z, bounds), "grad": True})
             for (s, e), y in zip(bounds, parts):
-                with graph.inserting_after(y):
-                    w = _transpose(graph, y) if axis == "N" else y
+                w = y
+                for x in casts + [None] * (axis == "N"):  # the gradient's casts, then rows first
+                    with graph.inserting_after(w):
+                        w = _transpose(graph, w) if x is None else _emit(graph, x.target, (w, *x.args[1:]),
+                                                                         dict(x.kwargs))
                 with graph.inserting_after(w):
                     red = _emit(graph, reduce_grad_rows, (w, p, s, e))
                 red.meta["zinf"] = {"kind": "reduce", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
@@ -324,7 +346,7 @@ def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
     transposes feeding n that nothing else reads."""
     def dead_below(x: fx.Node) -> None:
         for u in list(x.users):
-            if _is_transpose(u):
+            if _is_link(u):
                 dead_below(u)
                 if not u.users:
                     graph.erase_node(u)
@@ -333,7 +355,7 @@ def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
     while n is not None and not n.users and n.op == "call_function":
         ins = n.all_input_nodes
         graph.erase_node(n)
-        n = ins[0] if len(ins) == 1 and _is_transpose(ins[0]) else None
+        n = ins[0] if len(ins) == 1 and _is_link(ins[0]) else None
 
 
 def tiled_ops(graphs) -> list[dict]:

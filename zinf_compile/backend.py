@@ -178,31 +178,52 @@ class ZinfPostGrad(_PostGradPass):
         records.attach(graph, PinOrder()(graph))
 
     def _plan(self, graph: fx.Graph, chosen) -> None:
-        """Plan an inference graph; a BudgetError comes before any rewrite, so a retry starts clean."""
-        from zinf_compile.passes.params import InsertGathers, param_meta, remove_param_nodes
+        """Plan an inference graph. With managed parameters the rewrites (gathers, tiles, fetches)
+        are tried on copies, and the one that fits replaces the graph's nodes; a BudgetError leaves
+        the graph as it came, so a retry with other parameters starts clean."""
+        from zinf_compile.passes.params import InsertGathers, param_meta
+        from zinf_compile.pipeline import copy_graphs
 
         s = self.session
-        for prefetch in (True, False) if chosen and s.tier == "nvme" else (False,):
-            reports = []
-            if chosen:
-                managed = {n: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
-                                         s.engine_key, s.cfg.master_dtype) for n, info in chosen}
-                reports.append(InsertGathers()(graph, managed, recompute=False, world=s.world))
-                if prefetch:
-                    reports += _prefetch_gathers(s, [graph])
-                graph.owning_module.recompile()
-            try:
-                plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=reports)
-                break
-            except BudgetError:  # raised before any other rewrite: take the gathers out, try again
-                remove_param_nodes(graph)
-                graph.owning_module.recompile()
-                if not prefetch:
-                    raise
+        if not chosen:
+            plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=[])
+            return
+        work = copy_graphs({"inference": graph.owning_module})
+        wg = work["inference"].graph
+        index = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+        copies = list(wg.find_nodes(op="placeholder"))
+        managed = {copies[index[n]]: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
+                                                s.engine_key, s.cfg.master_dtype) for n, info in chosen}
+        reports = [InsertGathers()(wg, managed, recompute=False, world=s.world)]
+        work["inference"].recompile()
+        prefetch = (lambda gs: _prefetch_gathers(s, [m.graph for m in gs.values()], recompile=gs)) \
+            if s.tier == "nvme" else None
+        done, _ = fit_tiled(work, _tile_choices(s, work, -1), lambda gs, rep: plan_and_rewrite(s, gs, -1, rep),
+                            prefetch, reports)
+        _transplant(graph, done["inference"].graph)
         _take_over(s, [info for _, info in chosen])
 
     def uuid(self) -> str:
         return self.session.uuid()
+
+
+def _transplant(dst: fx.Graph, src: fx.Graph) -> None:
+    """Make `dst` (a graph Inductor owns) what `src` (a rewritten copy of it) is: its placeholders
+    stay (with src's meta), every other node is replaced by a copy of src's."""
+    for n in reversed(list(dst.nodes)):
+        if n.op != "placeholder":
+            dst.erase_node(n)
+    kept = list(dst.find_nodes(op="placeholder"))
+    theirs = list(src.find_nodes(op="placeholder"))
+    env = dict(zip(theirs, kept))
+    for a, b in env.items():
+        b.meta.update(a.meta)
+    for n in src.nodes:
+        if n.op != "placeholder":
+            env[n] = dst.node_copy(n, env.__getitem__)
+    dst.lint()
+    if dst.owning_module is not None:
+        dst.owning_module.recompile()
 
 
 def _try_param_choices(s: Session, primals: list[fx.Node], attempt):

@@ -396,11 +396,11 @@ def _splits_k(m, c) -> bool:
 def _gathers_of(m):
     """The whole-weight gathers a matmul reads through transposes."""
     from zinf_compile.passes.params import is_gather
-    from zinf_compile.passes.tiling import _is_transpose
+    from zinf_compile.passes.tiling import _is_link
 
     out = []
     for a in m.all_input_nodes:
-        while _is_transpose(a):
+        while _is_link(a):
             a = a.args[0]
         if is_gather(a):
             out.append(a)
