@@ -9,6 +9,8 @@ BENCHMARKS = {
     "memory": "bench.memory",
     "malloc": "bench.malloc",
     "params": "bench.params",
+    "inference": "bench.inference",
+    "planning": "bench.planning",
     "tiling": "bench.tiling",
 }
 

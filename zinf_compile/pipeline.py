@@ -107,21 +107,17 @@ def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, p
             for gm in g.values():
                 done.append(TileParams()(gm.graph, tiles))
                 gm.recompile()
-        if prefetch is not None:
+        tries = [(g, done, False)]
+        if prefetch is not None:  # fetched ahead first, on a copy; just in time if that breaks the budget
             trial = copy_graphs(g)
-            pre = done + prefetch(trial)
+            tries.insert(0, (trial, done + prefetch(trial), True))
+        for gs, rep, ahead in tries:
             try:
-                return trial, attempt(trial, pre)
+                return gs, attempt(gs, rep)
             except BudgetError as e:
                 err = e
                 if on_fail is not None:
-                    on_fail(tiles, True, e)
-        try:
-            return g, attempt(g, done)
-        except BudgetError as e:
-            err = e
-            if on_fail is not None:
-                on_fail(tiles, False, e)
+                    on_fail(tiles, ahead, e)
     assert err is not None
     raise err
 

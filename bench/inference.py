@@ -1,0 +1,290 @@
+"""Streamed inference: a ~1B-parameter Llama whose weights stream from the NVMe tier under a budget of
+a quarter of them, against keeping them in memory and against accelerate's disk_offload.
+
+    pip install -e '.[bench]'        # transformers and accelerate, pinned (not needed for the tests)
+    python -m bench inference [--layers 22] [--budget-share 0.25] [--forwards 3] [--repeats 2]
+                              [--contenders eager,inductor,zinf,accelerate]
+
+The model is transformers' LlamaForCausalLM from a LlamaConfig (TinyLlama-1.1B's shape: hidden 2048,
+MLP 5632, 22 layers, 32 heads, 4 KV heads, vocab 32000), randomly initialised (seeded; no download),
+fp32, batch 1, sequence 128, no KV cache, under torch.no_grad. Each contender in a fresh process,
+alternately:
+
+    eager        the model in memory, eager PyTorch
+    inductor     the model in memory, torch.compile (Inductor)
+    zinf         torch.compile(backend="zinf", options={"budget": share x the weights, "offload": "nvme"}):
+                 the planner shards the parameters that do not fit to NVMe files (params="auto") and
+                 streams them back, each fetched ahead of its use
+    accelerate   accelerate.disk_offload(model, dir): every weight memory-mapped from files and loaded
+                 by hooks right before its module runs (what a user short of memory would pick)
+
+Each builds the model in memory first (as a user would), sets up, runs one warm-up forward (compiles),
+resets VmHWM and times `forwards` forwards. Reports the median time per forward, the peak RSS over the
+empty process during the timed forwards, the bytes read per forward, and the bound
+max(compute, bytes zinf reads / read bandwidth), compute being the in-memory Inductor forward and the
+bandwidth measured in the same run, in the same folder (page cache included, as zinf sees it).
+Logits are checked against eager's.
+
+Writes <out>/inference.json and <out>/inference.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.params import _bandwidth, _engine_bytes, _machine, _median
+
+MiB = 2**20
+CONTENDERS = ("eager", "inductor", "zinf", "accelerate")
+DEFAULTS = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000, seq=128,
+                forwards=3, threads=2, seed=0, budget_share=0.25)
+
+
+def _model(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(256, args.seq),
+                      tie_word_embeddings=False, torch_dtype=torch.float32)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(args.seed + 1))
+    return model, ids
+
+
+def worker(args) -> dict:
+    import gc
+
+    import torch
+
+    from bench import _rss
+
+    torch.set_num_threads(args.threads)
+    import accelerate  # noqa: F401  (every contender imports the same before the baseline)
+    import transformers  # noqa: F401
+
+    import zinf_compile
+
+    gc.collect()
+    _rss.trim()
+    base = _rss.rss()
+    model, ids = _model(args)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(weights * args.budget_share)
+    if args.worker == "eager":
+        fn = model
+    elif args.worker == "inductor":
+        fn = torch.compile(model)
+    elif args.worker == "zinf":
+        fn = torch.compile(model, backend="zinf", options={"budget": budget, "offload": "nvme",
+                                                            "offload_dir": args.offload_dir})
+    else:
+        from accelerate import disk_offload
+
+        fn = disk_offload(model, os.path.join(args.offload_dir, "accelerate"), execution_device=torch.device("cpu"))
+
+    def forward():
+        with torch.no_grad():
+            return fn(ids, use_cache=False).logits
+
+    t0 = time.perf_counter()
+    logits = forward()
+    warm = time.perf_counter() - t0
+    engines = _engine_bytes()
+    gc.collect()
+    after_warmup = _rss.baseline()
+    times = []
+    for _ in range(args.forwards):
+        t0 = time.perf_counter()
+        forward()
+        times.append(time.perf_counter() - t0)
+    peak = _rss.hwm()
+    moved = {k: (v - engines.get(k, 0)) / args.forwards for k, v in _engine_bytes().items()}
+    out = dict(contender=args.worker, base=base, rss_after_warmup=after_warmup, peak=peak, peak_over_base=peak - base,
+               forward_s=times, warmup_s=warm, weights=weights, budget=budget, moved_per_forward=moved,
+               logits_head=logits.reshape(-1)[:4096].tolist(), logits_absmax=float(logits.abs().max()))
+    plans = zinf_compile.last_plans()
+    if args.worker == "zinf" and plans:
+        out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
+                             lower_bound=p.lower_bound, params=len(p.params), actions=p.action_counts(),
+                             tiles=len(p.tiles), predicted_compute_s=p.predicted_compute_s,
+                             predicted_stall_s=p.predicted_stall_s) for p in plans]
+        from zinf_compile.runtime.params import STORE
+
+        out["managed_bytes"] = sum(e.nbytes for e in STORE.entries())
+        out["managed"] = len(STORE)
+    return out
+
+
+def _run(name: str, args, env: dict) -> dict:
+    tmp = tempfile.mkdtemp(prefix="zinf-bench-inference-")
+    out = os.path.join(tmp, "result.json")
+    cmd = [sys.executable, "-m", "bench.inference", "--worker", name, "--offload-dir", os.path.join(tmp, "swap"),
+           "--result", out]
+    for k in DEFAULTS:
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    left = [f for _, _, fs in os.walk(os.path.join(tmp, "swap")) for f in fs
+            if name == "zinf"]  # accelerate's files are its own to keep
+    try:
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
+        with open(out) as f:
+            r = json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    r.update(contender=name, process_wall_s=wall, files_left=left)
+    return r
+
+
+def parent(args) -> int:
+    names = [n for n in args.contenders.split(",") if n]
+    for n in names:
+        if n not in CONTENDERS:
+            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"bench inference needs transformers and accelerate: pip install -e '.[bench]' ({e})")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    runs, bws = [], []
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
+            runs.append(_run(n, args, env))
+            x = runs[-1]
+            print(f"  {_median(x['forward_s']):.2f} s per forward, peak-base {x['peak_over_base'] / MiB:.0f} MiB",
+                  flush=True)
+        bws.append(_bandwidth(tempfile.gettempdir(), mib=512))
+    bw = {k: _median([b[k] for b in bws]) for k in ("read_Bps", "write_Bps")}
+    ref = next((x["logits_head"] for x in runs if x["contender"] == "eager"), None)
+    summary = {}
+    for n in names:
+        rs = [x for x in runs if x["contender"] == n]
+        diff = None
+        if ref is not None:
+            diff = max(max(abs(a - b) for a, b in zip(x["logits_head"], ref)) for x in rs)
+        summary[n] = dict(forward_s=_median([t for x in rs for t in x["forward_s"]]),
+                          peak_over_base_max=max(x["peak_over_base"] for x in rs),
+                          growth_max=max(x["peak"] - x["rss_after_warmup"] for x in rs),
+                          held_median=_median([x["rss_after_warmup"] - x["base"] for x in rs]),
+                          read_per_forward=_median([x["moved_per_forward"]["read"] for x in rs]),
+                          warmup_s=_median([x["warmup_s"] for x in rs]), logits_max_diff_vs_eager=diff,
+                          managed_bytes=rs[0].get("managed_bytes"), plans=rs[0].get("plans"),
+                          files_left=sorted({f for x in rs for f in x["files_left"]}))
+    weights, budget = runs[0]["weights"], runs[0]["budget"]
+    checks: dict = {}
+    if "zinf" in summary:
+        z = summary["zinf"]
+        compute = summary["inductor"]["forward_s"] if "inductor" in summary else None
+        transfer = z["read_per_forward"] / bw["read_Bps"]
+        if compute is not None:
+            bound = max(compute, transfer)
+            checks.update(compute_s=compute, transfer_s=transfer, bound_s=bound, zinf_vs_bound=z["forward_s"] / bound,
+                          zinf_within_1_15x_bound=z["forward_s"] <= 1.15 * bound)
+        if "accelerate" in summary:
+            a = summary["accelerate"]
+            checks.update(accelerate_vs_zinf=a["forward_s"] / z["forward_s"],
+                          zinf_1_5x_faster_than_accelerate=a["forward_s"] >= 1.5 * z["forward_s"],
+                          zinf_peak_not_above_accelerate=z["peak_over_base_max"] <= a["peak_over_base_max"])
+        checks["zinf_logits_match_eager"] = z["logits_max_diff_vs_eager"] is not None and \
+            z["logits_max_diff_vs_eager"] <= 1e-3 * max(1.0, runs[0]["logits_absmax"])
+        checks["zinf_left_no_files"] = not z["files_left"]
+    ok = all(v for v in checks.values() if isinstance(v, bool))
+    record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), weights=weights,
+                  budget=budget, bandwidth=bw, summary=summary, checks=checks, runs=runs, ok=ok)
+    for x in record["runs"]:
+        x.pop("logits_head", None)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "inference.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    _draw(summary, checks, weights, budget, os.path.join(args.out, "inference.png"))
+    print(_table(summary, checks, weights, budget, bw))
+    return 0 if ok else 1
+
+
+def _table(summary, checks, weights, budget, bw) -> str:
+    lines = [f"weights {weights / MiB:.0f} MiB (fp32), zinf budget {budget / MiB:.0f} MiB; files: read "
+             f"{bw['read_Bps'] / 1e9:.2f} GB/s, write {bw['write_Bps'] / 1e9:.2f} GB/s",
+             f"{'contender':11} {'s/forward':>9} {'peak-base MiB':>14} {'held MiB':>9} {'growth MiB':>11} "
+             f"{'read MiB/fwd':>13} {'logits diff':>11}"]
+    for n, s in summary.items():
+        d = s["logits_max_diff_vs_eager"]
+        lines.append(f"{n:11} {s['forward_s']:>9.2f} {s['peak_over_base_max'] / MiB:>14.0f} "
+                     f"{s['held_median'] / MiB:>9.0f} {s['growth_max'] / MiB:>11.0f} "
+                     f"{s['read_per_forward'] / MiB:>13.0f} {d if d is None else f'{d:.1e}':>11}")
+    if "bound_s" in checks:
+        lines.append(f"bound max(compute {checks['compute_s']:.2f} s, transfer {checks['transfer_s']:.2f} s) = "
+                     f"{checks['bound_s']:.2f} s; zinf / bound {checks['zinf_vs_bound']:.2f}x")
+    if "accelerate_vs_zinf" in checks:
+        lines.append(f"accelerate / zinf time per forward: {checks['accelerate_vs_zinf']:.2f}x")
+    lines.append("checks: " + ", ".join(f"{k}={v}" for k, v in checks.items() if isinstance(v, bool)))
+    return "\n".join(lines)
+
+
+def _draw(summary, checks, weights, budget, path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.6, 3.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, bx = fig.subplots(1, 2)
+    names = list(summary)
+    t = [summary[n]["forward_s"] for n in names]
+    ax.bar(names, t, color=["#8d99ae", "#8d99ae", "#2a9d8f", "#e76f51"][:len(names)])
+    for i, v in enumerate(t):
+        ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=7)
+    if "bound_s" in checks:
+        ax.axhline(checks["bound_s"], color="#264653", ls="--", lw=1, label="bound max(compute, read)")
+        ax.legend(fontsize=7, frameon=False)
+    ax.set_ylabel("seconds per forward (median)")
+    ax.tick_params(axis="x", labelsize=7)
+    p = [summary[n]["peak_over_base_max"] / MiB for n in names]
+    bx.bar(names, p, color=["#8d99ae", "#8d99ae", "#2a9d8f", "#e76f51"][:len(names)])
+    for i, v in enumerate(p):
+        bx.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+    bx.axhline(budget / MiB, color="#e76f51", ls="--", lw=1, label=f"zinf budget {budget / MiB:.0f} MiB")
+    bx.set_ylabel("peak RSS over the empty process (MiB)")
+    bx.tick_params(axis="x", labelsize=7)
+    bx.legend(fontsize=7, frameon=False)
+    fig.suptitle(f"Llama, {weights / 2**30:.1f} GiB of fp32 weights, batch 1, seq 128", fontsize=9)
+    fig.savefig(path + ".tmp", format="png")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench inference", description=__doc__.split("\n")[0])
+    for k, v in DEFAULTS.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=type(v), default=v)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        res = worker(args)
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+        return 0
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

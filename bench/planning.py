@@ -1,0 +1,224 @@
+"""Planning time at scale: `zinf plan` on GPT-style graphs from ~1k to 50k+ nodes.
+
+    python -m bench planning [--layers 4,8,16,32,64,128,256,352] [--inductor-layers 4,8]
+                             [--hidden 256] [--seq 128] [--batch 8] [--budget-share 0.6]
+
+For each depth a fresh process builds examples/gpt.py's GPT under FakeTensorMode, captures forward
+and backward (what `zinf plan` does: nothing is allocated) and times, on the captured graphs:
+
+    analyse + plan   facts (timeline, gaps, lower bound) and the plan, under a budget of
+                     `budget-share` x the unplanned peak (so the planner has offloads to choose)
+    with params      plan_captured(params="auto") under the same budget: the parameter choice
+                     (resident, then the fewest, then all), partitions, gathers and plans included
+
+For the smallest depths (`--inductor-layers`) another fresh process compiles the same model, for
+real, with Inductor (torch.compile, forward+backward of one step) and times that: what planning
+adds to a compile. Reports seconds against graph nodes, seconds per 10k nodes, and the log-log
+slope of planning time over nodes (1 = linear; n log n is about 1.1 over this range).
+
+Writes <out>/planning.json and <out>/planning.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULTS = dict(hidden=256, seq=128, batch=8, heads=4, vocab=1024)
+
+
+def worker(args) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import torch
+
+    from gpt import build
+
+    kwargs = dict(batch=args.batch, seq=args.seq, layers=args.n, hidden=args.hidden, heads=args.heads,
+                  vocab=args.vocab)
+    if args.worker == "inductor":
+        torch.set_num_threads(2)
+        model, (idx, tgt) = build(**kwargs)
+        t0 = time.perf_counter()
+        model(idx, tgt).loss.backward()
+        eager = time.perf_counter() - t0
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        compiled(idx, tgt).loss.backward()
+        first = time.perf_counter() - t0
+        return dict(layers=args.n, inductor_s=first - eager, eager_step_s=eager)
+
+    from zinf_compile.capture import plan_captured, trace
+    from zinf_compile.cost import load_profile, step_cost
+    from zinf_compile.analysis.facts import analyze
+    from zinf_compile.pipeline import graph_specs
+    from zinf_compile.planner import make_plan
+
+    t0 = time.perf_counter()
+    c = trace(build, kwargs, keep_joint=True)
+    capture = time.perf_counter() - t0
+    nodes = sum(len(g.graph.nodes) for g in c.graphs.values())
+    profile = load_profile("cpu")
+    t0 = time.perf_counter()
+    facts = analyze(graph_specs(c.graphs, c.num_fwd_outputs), device="cpu", step_cost=step_cost(profile))
+    analysed = time.perf_counter() - t0
+    budget = max(int(facts.peak * args.budget_share), facts.lower_bound)
+    t0 = time.perf_counter()
+    plan = make_plan(facts, budget, profile, "nvme")
+    planned = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    full = plan_captured(c, budget, profile, "nvme", params="auto")
+    with_params = time.perf_counter() - t0
+    return dict(layers=args.n, nodes=nodes, steps=len(facts.steps), buffers=len(facts.buffers), gaps=len(facts.gaps),
+                capture_s=capture, analyse_s=analysed, plan_s=planned, plan_total_s=analysed + planned,
+                with_params_s=with_params, budget=budget, peak_before=plan.peak_before, peak_after=plan.peak_after,
+                offloads=len(plan.moves()) // 3, managed=len(full.plan.params), tried=list(full.tried))
+
+
+def _run(kind: str, n: int, args) -> dict:
+    out = tempfile.mktemp(prefix="zinf-bench-planning-", suffix=".json")
+    cmd = [sys.executable, "-m", "bench.planning", "--worker", kind, "--n", str(n), "--result", out,
+           "--budget-share", str(args.budget_share)]
+    for k in DEFAULTS:
+        cmd += [f"--{k}", str(getattr(args, k))]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="2",
+               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{kind} {n} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
+        with open(out) as f:
+            r = json.load(f)
+    finally:
+        if os.path.exists(out):
+            os.remove(out)
+    r["process_wall_s"] = time.perf_counter() - t0
+    return r
+
+
+def _slope(xs, ys) -> float:
+    """Least-squares slope of log y over log x."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    den = sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else float("nan")
+
+
+def parent(args) -> int:
+    rows = []
+    for n in [int(x) for x in args.layers.split(",") if x]:
+        print(f"layers {n} ...", flush=True)
+        rows.append(_run("zinf", n, args))
+        r = rows[-1]
+        print(f"  {r['nodes']} nodes: capture {r['capture_s']:.1f} s, analyse+plan {r['plan_total_s']:.2f} s, "
+              f"with params {r['with_params_s']:.2f} s", flush=True)
+    inductor = []
+    for n in [int(x) for x in args.inductor_layers.split(",") if x]:
+        print(f"inductor, layers {n} ...", flush=True)
+        inductor.append(_run("inductor", n, args))
+    by_layers = {r["layers"]: r for r in rows}
+    for i in inductor:
+        if i["layers"] in by_layers:
+            i["zinf_plan_s"] = by_layers[i["layers"]]["plan_total_s"]
+            i["nodes"] = by_layers[i["layers"]]["nodes"]
+    xs = [r["nodes"] for r in rows]
+    summary = dict(
+        per_10k_nodes_s=max(r["plan_total_s"] / r["nodes"] * 1e4 for r in rows),
+        per_10k_nodes_with_params_s=max(r["with_params_s"] / r["nodes"] * 1e4 for r in rows),
+        slope_plan=_slope(xs, [r["plan_total_s"] for r in rows]) if len(rows) > 1 else None,
+        slope_with_params=_slope(xs, [r["with_params_s"] for r in rows]) if len(rows) > 1 else None,
+        max_nodes=max(xs),
+    )
+    checks = {"under_1s_per_10k_nodes": summary["per_10k_nodes_s"] < 1.0,
+              "no_worse_than_nlogn": summary["slope_plan"] is None or summary["slope_plan"] <= 1.25}
+    record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), rows=rows,
+                  inductor=inductor, summary=summary, checks=checks)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "planning.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    _draw(rows, inductor, os.path.join(args.out, "planning.png"))
+    print(_table(rows, inductor, summary, checks))
+    return 0 if all(checks.values()) else 1
+
+
+def _machine() -> dict:
+    from bench.params import _machine as m
+
+    return m()
+
+
+def _table(rows, inductor, summary, checks) -> str:
+    lines = [f"{'layers':>6} {'nodes':>7} {'steps':>6} {'gaps':>6} {'capture s':>9} {'analyse s':>9} {'plan s':>7} "
+             f"{'s/10k nodes':>11} {'with params s':>13} {'managed':>7}"]
+    for r in rows:
+        lines.append(f"{r['layers']:>6} {r['nodes']:>7} {r['steps']:>6} {r['gaps']:>6} {r['capture_s']:>9.1f} "
+                     f"{r['analyse_s']:>9.2f} {r['plan_s']:>7.2f} {r['plan_total_s'] / r['nodes'] * 1e4:>11.3f} "
+                     f"{r['with_params_s']:>13.2f} {r['managed']:>7}")
+    for i in inductor:
+        lines.append(f"Inductor compile, {i['layers']} layers: {i['inductor_s']:.1f} s"
+                     + (f" (zinf's analyse + plan of the same graphs: {i['zinf_plan_s']:.2f} s)" if "zinf_plan_s" in i
+                        else ""))
+    lines.append(f"worst: {summary['per_10k_nodes_s']:.3f} s per 10k nodes (analyse + plan), "
+                 f"{summary['per_10k_nodes_with_params_s']:.3f} s with parameters; log-log slope "
+                 f"{summary['slope_plan']:.2f} (with parameters {summary['slope_with_params']:.2f})"
+                 if summary["slope_plan"] is not None else "")
+    lines.append("checks: " + ", ".join(f"{k}={v}" for k, v in checks.items()))
+    return "\n".join(lines)
+
+
+def _draw(rows, inductor, path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs = [r["nodes"] for r in rows]
+    ax.loglog(xs, [r["plan_total_s"] for r in rows], "o-", color="#2a9d8f", label="zinf: analyse + plan")
+    ax.loglog(xs, [r["with_params_s"] for r in rows], "s-", color="#457b9d",
+              label="zinf: with the parameter choice (params=auto)")
+    ax.loglog(xs, [r["capture_s"] for r in rows], "^--", color="#8d99ae", label="capture under FakeTensorMode")
+    ind = [i for i in inductor if "nodes" in i]
+    if ind:
+        ax.loglog([i["nodes"] for i in ind], [i["inductor_s"] for i in ind], "D-", color="#e76f51",
+                  label="Inductor compile (real)")
+    lo, hi = min(xs), max(xs)
+    ax.loglog([lo, hi], [lo / 1e4, hi / 1e4], ":", color="#999999", label="1 s per 10k nodes (target)")
+    ax.set_xlabel("graph nodes (forward + backward)")
+    ax.set_ylabel("seconds")
+    ax.set_title("planning time against graph size (GPT, layers " + f"{rows[0]['layers']}-{rows[-1]['layers']})",
+                 fontsize=9)
+    ax.legend(fontsize=7, frameon=False)
+    fig.savefig(path + ".tmp", format="png")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench planning", description=__doc__.split("\n")[0])
+    for k, v in DEFAULTS.items():
+        ap.add_argument(f"--{k}", type=type(v), default=v)
+    ap.add_argument("--layers", default="4,8,16,32,64,128,256,352")
+    ap.add_argument("--inductor-layers", default="4,8")
+    ap.add_argument("--budget-share", type=float, default=0.6)
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        res = worker(args)
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+        return 0
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
