@@ -44,16 +44,26 @@ import tempfile
 import time
 
 MiB = 2**20
-CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r")
+CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r", "zinf-cpu")
 LIMIT = 1.25
 STATE_FACTOR = 4.0
-DEFAULTS = dict(layers=6, hidden=4096, batch=512, steps=2, warmup=1, threads=2, seed=0, lr=1e-4)
+DEFAULTS = dict(model="mlp", layers=6, hidden=4096, batch=512, seq=256, heads=16, vocab=8192, steps=2, warmup=1,
+                threads=2, seed=0, lr=1e-4)
 
 
 def _build(args):
+    """(model, inputs, loss(fn, *inputs)) of `args.model`: "mlp" (square Linear layers, GELU, MSE
+    against a random target) or "gpt" (examples/gpt.py: embeddings, attention blocks, head)."""
     import torch
     from torch import nn
 
+    if args.model == "gpt":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+        from gpt import build
+
+        model, inputs = build(batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden,
+                              heads=args.heads, vocab=args.vocab, seed=args.seed)
+        return model, inputs, lambda fn, idx, tgt: fn(idx, tgt).loss
     torch.manual_seed(args.seed)
     layers = []
     for _ in range(args.layers):
@@ -62,7 +72,7 @@ def _build(args):
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.batch, args.hidden, generator=g)
     y = torch.randn(args.batch, args.hidden, generator=g)
-    return model, x, y
+    return model, (x, y), lambda fn, x, y: torch.nn.functional.mse_loss(fn(x), y)
 
 
 def worker(args) -> dict:
@@ -83,19 +93,20 @@ def worker(args) -> dict:
     gc.collect()
     _rss.trim()
     base = _rss.rss()
-    model, x, y = _build(args)
-    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    model, inputs, loss_of = _build(args)
+    inputs = tuple(t.chunk(world)[rank] for t in inputs)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if args.worker == "resident":
         fn = torch.compile(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     else:
-        options = {"budget": args.budget, "offload": "nvme", "offload_dir": args.offload_dir}
+        tier = "cpu" if args.worker == "zinf-cpu" else "nvme"
+        options = {"budget": args.budget, "offload": tier, "offload_dir": args.offload_dir}
         fn = torch.compile(model, backend="zinf", options=options)
         opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr)
 
     def step() -> float:
-        loss = torch.nn.functional.mse_loss(fn(x), y)
+        loss = loss_of(fn, *inputs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -171,7 +182,7 @@ def _bandwidth(folder: str, mib: int = 256) -> dict:
 def _run(name: str, args, env: dict) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="zinf-bench-params-")
     results = tempfile.mkdtemp(prefix="zinf-bench-results-")
-    base = ["-m", "bench.params", "--worker", "zinf-nvme" if name.startswith("zinf") else name,
+    base = ["-m", "bench.params", "--worker", "zinf-nvme" if name.startswith("zinf-nvme") else name,
             "--budget", args.budget, "--offload-dir", tmp, "--result-dir", results]
     for k in DEFAULTS:
         base += [f"--{k}", str(getattr(args, k))]
@@ -256,6 +267,8 @@ def parent(args) -> int:
             transfer = z["read_per_step"] / bw["read_Bps"] + z["written_per_step"] / bw["write_Bps"]
             checks["speed"] = dict(ratio_vs_resident=z["step_s"] / comp, compute_s=comp, transfer_s=transfer,
                                    bound_s=max(comp, transfer), ratio_vs_bound=z["step_s"] / max(comp, transfer))
+    if "zinf-cpu" in summary and "resident" in summary:  # on a CPU device that tier frees no memory
+        checks["speed_cpu_tier"] = dict(ratio_vs_resident=summary["zinf-cpu"]["step_s"] / summary["resident"]["step_s"])
     if "zinf-nvme" in summary and "zinf-nvme-2r" in summary:
         one, two = summary["zinf-nvme"]["shard_bytes_per_rank"], summary["zinf-nvme-2r"]["shard_bytes_per_rank"]
         checks["shard_bytes_2r_vs_1r"] = two / one if one else None
@@ -265,9 +278,9 @@ def parent(args) -> int:
                   param_bytes=params, states_bytes=states, bandwidth=bw, summary=summary, checks=checks,
                   runs=runs, ok=ok)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "params.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)
-    _draw(summary, budget, states, os.path.join(args.out, "params.png"))
+    _draw(summary, budget, states, os.path.join(args.out, f"{args.name}.png"))
     print(_table(summary, budget, states, bw, checks))
     return 0 if ok else 1
 
@@ -296,8 +309,10 @@ def _table(summary, budget, states, bw, checks) -> str:
         lines.append(f"zinf-nvme / resident step time {sp['ratio_vs_resident']:.2f}x; bound max(compute "
                      f"{sp['compute_s']:.2f} s, transfer {sp['transfer_s']:.2f} s) = {sp['bound_s']:.2f} s; "
                      f"zinf / bound {sp['ratio_vs_bound']:.2f}x")
+    if "speed_cpu_tier" in checks:
+        lines.append(f"zinf-cpu / resident step time {checks['speed_cpu_tier']['ratio_vs_resident']:.2f}x")
     lines.append("checks: " + ", ".join(f"{k}={v if not isinstance(v, float) else round(v, 3)}"
-                                        for k, v in checks.items() if k != "speed"))
+                                        for k, v in checks.items() if not k.startswith("speed")))
     return "\n".join(lines)
 
 
@@ -328,13 +343,16 @@ def _draw(summary, budget, states, path) -> None:
     os.replace(path + ".tmp", path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench params", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "params", defaults: dict | None = None) -> int:
+    """`defaults`: other defaults (bench training: the GPT); `prog` names the outputs."""
+    defaults = {**DEFAULTS, "budget": "320MiB", "contenders": "resident,zinf-nvme,zinf-nvme-2r", **(defaults or {})}
+    ap = argparse.ArgumentParser(prog=f"python -m bench {prog}", description=__doc__.split("\n")[0])
     for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k}", type=type(v), default=v)
-    ap.add_argument("--budget", default="320MiB")
+        ap.add_argument(f"--{k}", type=type(v), default=defaults[k])
+    ap.add_argument("--budget", default=defaults["budget"])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=defaults["contenders"], help=f"some of {', '.join(CONTENDERS)}")
+    ap.add_argument("--name", default=prog, help="base name of the JSON and PNG written")
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
