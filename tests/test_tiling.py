@@ -330,3 +330,32 @@ def test_a_gathered_weight_is_live_at_the_matmul_reading_its_transpose(inference
                 assert facts.step_of[mm] in b.use_steps, (g.name, mm.name, b.use_steps)
                 checked += 1
     assert checked == (1 if inference else 2)  # the forward's matmul; and the input gradient's
+
+
+def test_graph_gathers_map_the_shard_file_and_what_outlives_the_graph_does_not(tile_engines):
+    """On a CPU device with buffered files a gather maps the shard's file (no copy, no zero-filled
+    pages); the mapping is private (a write into the gathered tensor never reaches the file), and
+    what may outlive a later write of the file (a state dict, a released parameter) is a copy."""
+    from zinf_compile.runtime.params import STORE
+
+    torch.manual_seed(3)
+    w = torch.randn(64, 33)
+    p = torch.nn.Parameter(w.clone())
+    e = STORE.manage(STORE.identify(p, "mapped.w"), "nvme", tile_engines["nvme"])
+    assert e.maps
+    g = STORE.gather(p)
+    assert torch.equal(g, w) and not g.untyped_storage().resizable()  # numpy-owned: the mapping
+    g.add_(1.0)  # Inductor may reuse a gathered buffer for a later result
+    assert torch.equal(STORE.gather(p), w) and torch.equal(STORE.gather(p, rows=(7, 9)), w[7:9])
+    whole = STORE.full(e)
+    e.write_shard(torch.zeros(64 * 33))  # the file changes (an optimizer step writes it)
+    assert torch.equal(whole, w)
+    assert torch.equal(STORE.gather(p), torch.zeros(64, 33))
+    e.write_shard(w.reshape(-1))
+    STORE.release(p)
+    assert torch.equal(p.detach(), w)
+    e.close_files()
+    direct = STORE.manage(STORE.identify(p, "direct.w"), "nvme", tile_engines["nvme-direct"])
+    assert not direct.maps and torch.equal(STORE.gather(p), w)  # O_DIRECT bypasses the page cache
+    STORE.release(p)
+    direct.close_files()

@@ -332,7 +332,8 @@ def _shared_default_budget(device: str, n_world: int) -> int:
 def _prefetch_gathers(s: Session, graphs: list[fx.Graph], recompile: dict | None = None) -> list:
     from zinf_compile.cost import load_profile
 
-    reports = prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world)
+    reports = prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world,
+                                     mapped=s.device == "cpu" and not s.cfg.o_direct)
     for m in (recompile or {}).values():
         m.recompile()
     return reports

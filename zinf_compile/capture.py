@@ -303,7 +303,8 @@ def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> 
     """As the backend (one rank offline)."""
     from zinf_compile.planner import prefetch_param_gathers
 
-    reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device)
+    reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device,
+                                     mapped=profile.device == "cpu")  # buffered I/O, the default
     for gm in graphs.values():
         gm.recompile()
     return reports

@@ -314,16 +314,19 @@ def _fewest(big: list, forced: list, need: int, nbytes) -> list:
     return [c for c in big if c in chosen]
 
 
-def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1) -> list:
+def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1,
+                           mapped: bool = False) -> list:
     """Fetch NVMe shards ahead of their gathers in each fx.Graph, as far as the cost model says
-    hides the read (PrefetchGathers); a CPU-tier shard is in host memory already: nothing to do."""
+    hides the read (PrefetchGathers); a CPU-tier shard is in host memory already: nothing to do.
+    `mapped`: gathers map the shard's file (a CPU device, buffered I/O): a fetch only asks the
+    kernel to read ahead into its page cache, and holds no memory of the process until the gather."""
     if tier != "nvme":
         return []
     from zinf_compile.cost import step_cost
     from zinf_compile.passes.params import PrefetchGathers
 
     cost = step_cost(profile)
-    frees = tier_frees_device("cpu", device)  # the fetched shard lands in host memory
+    frees = tier_frees_device("cpu", device) or mapped  # the fetched shard lands in host memory
     return [PrefetchGathers()(g, lambda n: cost(n)[1],
                               lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
                               lambda b: 0 if frees else -(-b // world)) for g in graphs]

@@ -337,6 +337,30 @@ class OffloadEngine:
         self.stats["bytes_read"] += t.numel() * t.element_size()
         return self._submit_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
 
+    def can_map(self) -> bool:
+        """Whether map_file serves reads: buffered files (O_DIRECT bypasses the page cache a
+        mapping reads through)."""
+        return self._swap is None or not self._swap.o_direct
+
+    def map_file(self, fd: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`numel` elements of the file from byte `offset`, as a tensor over a private mapping of
+        it: no copy, no zero-filled pages (the kernel maps its page cache, reading ahead from the
+        disk what is not there: MADV_WILLNEED). Private: a write into the tensor copies that page
+        and never reaches the file. Unmapped when the tensor's storage dies."""
+        import mmap
+
+        nbytes = numel * dtype.itemsize
+        self.stats["bytes_read"] += nbytes
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        lead = offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, lead + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                       offset=offset - lead)
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=lead)
+        return torch.from_numpy(arr).view(dtype)
+
     def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
         """The file's bytes from `offset` into t (contiguous, on the CPU)."""
         self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
