@@ -15,6 +15,7 @@ alternately:
     zinf         torch.compile(backend="zinf", options={"budget": share x the weights, "offload": "nvme"}):
                  the planner shards the parameters that do not fit to NVMe files (params="auto") and
                  streams them back, each fetched ahead of its use
+    zinf-stream  the same with params="offload": every weight streams, none stays resident
     accelerate   accelerate.disk_offload(model, dir): every weight memory-mapped from files and loaded
                  by hooks right before its module runs (what a user short of memory would pick)
 
@@ -41,7 +42,7 @@ import time
 from bench.params import _bandwidth, _engine_bytes, _machine, _median
 
 MiB = 2**20
-CONTENDERS = ("eager", "inductor", "zinf", "accelerate")
+CONTENDERS = ("eager", "inductor", "zinf", "zinf-stream", "accelerate")
 DEFAULTS = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000, seq=128,
                 forwards=3, threads=2, seed=0, budget_share=0.25)
 
@@ -83,9 +84,11 @@ def worker(args) -> dict:
         fn = model
     elif args.worker == "inductor":
         fn = torch.compile(model)
-    elif args.worker == "zinf":
-        fn = torch.compile(model, backend="zinf", options={"budget": budget, "offload": "nvme",
-                                                            "offload_dir": args.offload_dir})
+    elif args.worker in ("zinf", "zinf-stream"):
+        options = {"budget": budget, "offload": "nvme", "offload_dir": args.offload_dir}
+        if args.worker == "zinf-stream":
+            options["params"] = "offload"  # every weight streams, none stays resident
+        fn = torch.compile(model, backend="zinf", options=options)
     else:
         from accelerate import disk_offload
 
@@ -112,7 +115,7 @@ def worker(args) -> dict:
                forward_s=times, warmup_s=warm, weights=weights, budget=budget, moved_per_forward=moved,
                logits_head=logits.reshape(-1)[:4096].tolist(), logits_absmax=float(logits.abs().max()))
     plans = zinf_compile.last_plans()
-    if args.worker == "zinf" and plans:
+    if args.worker.startswith("zinf") and plans:
         out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
                              lower_bound=p.lower_bound, params=len(p.params), actions=p.action_counts(),
                              tiles=len(p.tiles), predicted_compute_s=p.predicted_compute_s,
@@ -135,7 +138,7 @@ def _run(name: str, args, env: dict) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
     left = [f for _, _, fs in os.walk(os.path.join(tmp, "swap")) for f in fs
-            if name == "zinf"]  # accelerate's files are its own to keep
+            if name.startswith("zinf")]  # accelerate's files are its own to keep
     try:
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
@@ -188,22 +191,25 @@ def parent(args) -> int:
                           files_left=sorted({f for x in rs for f in x["files_left"]}))
     weights, budget = runs[0]["weights"], runs[0]["budget"]
     checks: dict = {}
-    if "zinf" in summary:
-        z = summary["zinf"]
+    for name in ("zinf", "zinf-stream"):
+        if name not in summary:
+            continue
+        z, k = summary[name], name.replace("-", "_")
         compute = summary["inductor"]["forward_s"] if "inductor" in summary else None
         transfer = z["read_per_forward"] / bw["read_Bps"]
         if compute is not None:
             bound = max(compute, transfer)
-            checks.update(compute_s=compute, transfer_s=transfer, bound_s=bound, zinf_vs_bound=z["forward_s"] / bound,
-                          zinf_within_1_15x_bound=z["forward_s"] <= 1.15 * bound)
+            checks.update({"compute_s": compute, f"{k}_transfer_s": transfer, f"{k}_bound_s": bound,
+                           f"{k}_vs_bound": z["forward_s"] / bound,
+                           f"{k}_within_1_15x_bound": z["forward_s"] <= 1.15 * bound})
         if "accelerate" in summary:
             a = summary["accelerate"]
-            checks.update(accelerate_vs_zinf=a["forward_s"] / z["forward_s"],
-                          zinf_1_5x_faster_than_accelerate=a["forward_s"] >= 1.5 * z["forward_s"],
-                          zinf_peak_not_above_accelerate=z["peak_over_base_max"] <= a["peak_over_base_max"])
-        checks["zinf_logits_match_eager"] = z["logits_max_diff_vs_eager"] is not None and \
+            checks.update({f"accelerate_vs_{k}": a["forward_s"] / z["forward_s"],
+                           f"{k}_1_5x_faster_than_accelerate": a["forward_s"] >= 1.5 * z["forward_s"],
+                           f"{k}_peak_not_above_accelerate": z["peak_over_base_max"] <= a["peak_over_base_max"]})
+        checks[f"{k}_logits_match_eager"] = z["logits_max_diff_vs_eager"] is not None and \
             z["logits_max_diff_vs_eager"] <= 1e-3 * max(1.0, runs[0]["logits_absmax"])
-        checks["zinf_left_no_files"] = not z["files_left"]
+        checks[f"{k}_left_no_files"] = not z["files_left"]
     ok = all(v for v in checks.values() if isinstance(v, bool))
     record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), weights=weights,
                   budget=budget, bandwidth=bw, summary=summary, checks=checks, runs=runs, ok=ok)
@@ -227,11 +233,12 @@ def _table(summary, checks, weights, budget, bw) -> str:
         lines.append(f"{n:11} {s['forward_s']:>9.2f} {s['peak_over_base_max'] / MiB:>14.0f} "
                      f"{s['held_median'] / MiB:>9.0f} {s['growth_max'] / MiB:>11.0f} "
                      f"{s['read_per_forward'] / MiB:>13.0f} {d if d is None else f'{d:.1e}':>11}")
-    if "bound_s" in checks:
-        lines.append(f"bound max(compute {checks['compute_s']:.2f} s, transfer {checks['transfer_s']:.2f} s) = "
-                     f"{checks['bound_s']:.2f} s; zinf / bound {checks['zinf_vs_bound']:.2f}x")
-    if "accelerate_vs_zinf" in checks:
-        lines.append(f"accelerate / zinf time per forward: {checks['accelerate_vs_zinf']:.2f}x")
+    for k in ("zinf", "zinf_stream"):
+        if f"{k}_bound_s" in checks:
+            lines.append(f"{k}: bound max(compute {checks['compute_s']:.2f} s, transfer {checks[k + '_transfer_s']:.2f} "
+                         f"s) = {checks[k + '_bound_s']:.2f} s; {k} / bound {checks[k + '_vs_bound']:.2f}x")
+        if f"accelerate_vs_{k}" in checks:
+            lines.append(f"accelerate / {k} time per forward: {checks['accelerate_vs_' + k]:.2f}x")
     lines.append("checks: " + ", ".join(f"{k}={v}" for k, v in checks.items() if isinstance(v, bool)))
     return "\n".join(lines)
 
@@ -245,16 +252,17 @@ def _draw(summary, checks, weights, budget, path) -> None:
     ax, bx = fig.subplots(1, 2)
     names = list(summary)
     t = [summary[n]["forward_s"] for n in names]
-    ax.bar(names, t, color=["#8d99ae", "#8d99ae", "#2a9d8f", "#e76f51"][:len(names)])
+    colors = [{"accelerate": "#e76f51"}.get(n, "#2a9d8f" if n.startswith("zinf") else "#8d99ae") for n in names]
+    ax.bar(names, t, color=colors)
     for i, v in enumerate(t):
         ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=7)
-    if "bound_s" in checks:
-        ax.axhline(checks["bound_s"], color="#264653", ls="--", lw=1, label="bound max(compute, read)")
+    if "zinf_bound_s" in checks:
+        ax.axhline(checks["zinf_bound_s"], color="#264653", ls="--", lw=1, label="bound max(compute, read)")
         ax.legend(fontsize=7, frameon=False)
     ax.set_ylabel("seconds per forward (median)")
     ax.tick_params(axis="x", labelsize=7)
     p = [summary[n]["peak_over_base_max"] / MiB for n in names]
-    bx.bar(names, p, color=["#8d99ae", "#8d99ae", "#2a9d8f", "#e76f51"][:len(names)])
+    bx.bar(names, p, color=colors)
     for i, v in enumerate(p):
         bx.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     bx.axhline(budget / MiB, color="#e76f51", ls="--", lw=1, label=f"zinf budget {budget / MiB:.0f} MiB")

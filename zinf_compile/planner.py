@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from zinf_compile.analysis.facts import Gap, GraphFacts
+from zinf_compile.analysis.facts import Gap, GraphFacts, paused_gc
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
 from zinf_compile.plan import PLAN_VERSION, Action, ManagedParam, Plan, Step, TensorLife, TiledOp
 
 
+@paused_gc
 def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
     """`device`: the device the plan is for (default: the graphs'); the CPU tier frees nothing
     when it is the CPU."""
