@@ -359,3 +359,24 @@ def test_graph_gathers_map_the_shard_file_and_what_outlives_the_graph_does_not(t
     assert not direct.maps and torch.equal(STORE.gather(p), w)  # O_DIRECT bypasses the page cache
     STORE.release(p)
     direct.close_files()
+
+
+def test_no_tiles_where_tiling_cannot_make_the_step_fit():
+    """A step over the budget even without the weight (here: a budget below everything else live)
+    gets no tiles: they would only add overhead (a first version tiled such weights one row per
+    tile, thousands of nodes)."""
+    import numpy as np
+
+    from zinf_compile.cost import BUILTIN
+    from zinf_compile.passes.tiling import Candidate
+    from zinf_compile.planner import MAX_TILES, choose_tiles
+
+    class Facts:
+        floor = np.array([10, 500, 10])
+        lower_bound = 500
+        step_of = {"mm": 1}
+
+    c = Candidate(7, "w", rows=4096, nbytes=200, uses=("mm",))
+    assert choose_tiles(Facts, 250, {7: c}, BUILTIN["cpu"], "nvme") == {}  # 500 - 200 = 300 > 250
+    picked = choose_tiles(Facts, 400, {7: c}, BUILTIN["cpu"], "nvme")  # room 100 for 2 x 200 / T
+    assert 4 <= picked[7] <= MAX_TILES

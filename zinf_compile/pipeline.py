@@ -81,8 +81,10 @@ def tile_choices(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, tiling
     if not counts:
         return [{}]
     out: list[dict] = []
+    from zinf_compile.planner import MAX_TILES
+
     for f in (1, 2, 4):
-        choice = {pid: split_bounds(cands[pid].rows, n * f) for pid, n in counts.items()}
+        choice = {pid: split_bounds(cands[pid].rows, min(n * f, MAX_TILES)) for pid, n in counts.items()}
         if choice not in out:
             out.append(choice)
     return out

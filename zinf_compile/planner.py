@@ -336,6 +336,7 @@ def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: st
 # -- memory-centric tiling ------------------------------------------------------------------------
 
 TILE_OVERHEAD_S = 50e-6  # one tile's fixed cost: an op dispatch, a read request, a kernel launch
+MAX_TILES = 64  # past this a matmul is all overhead; a weight that needs more tiles is not tiled
 
 
 def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DeviceProfile, tier: str,
@@ -356,7 +357,7 @@ def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DevicePro
     out: dict[int, int] = {}
     if max_tile_bytes is not None:
         for pid, c in cands.items():
-            if c.nbytes > max_tile_bytes:
+            if c.nbytes > max_tile_bytes:  # forced: as asked, up to one row per tile
                 out[pid] = min(c.rows, -(-c.nbytes // max_tile_bytes))
         return out
     floor = facts.floor
@@ -370,16 +371,17 @@ def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DevicePro
                 continue
             k = 2 if m in c.uses else 1
             room = budget - (int(floor[i]) - c.nbytes)
-            need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else c.rows)
-        if need <= 1:
+            # no room even without the weight: tiling it cannot make this step fit
+            need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else MAX_TILES + 1)
+        if need <= 1 or need > min(MAX_TILES, c.rows):
             continue
-        acc = sum(_nbytes_of(m) for m in c.uses if _splits_k(m, c))
+        acc = sum(_nbytes_of(m) for m in c.uses if hasattr(m, "meta") and _splits_k(m, c))
 
         def cost(t, c=c, acc=acc):
             return (t * TILE_OVERHEAD_S + profile.transfer_time(c.nbytes // t, tier, "in")
                     + (t - 1) * 2 * acc / profile.mem_bw)
 
-        top = min(c.rows, 4 * need)
+        top = min(c.rows, 4 * need, MAX_TILES)
         out[pid] = min(range(min(need, c.rows), top + 1), key=lambda t: (cost(t), t))
     return out
 
