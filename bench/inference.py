@@ -33,12 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
+from bench import _harness
 from bench.params import _bandwidth, _engine_bytes, _machine, _median
 
 MiB = 2**20
@@ -127,27 +126,10 @@ def worker(args) -> dict:
     return out
 
 
-def _run(name: str, args, env: dict) -> dict:
-    tmp = tempfile.mkdtemp(prefix="zinf-bench-inference-")
-    out = os.path.join(tmp, "result.json")
-    cmd = [sys.executable, "-m", "bench.inference", "--worker", name, "--offload-dir", os.path.join(tmp, "swap"),
-           "--result", out]
-    for k in DEFAULTS:
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    left = [f for _, _, fs in os.walk(os.path.join(tmp, "swap")) for f in fs
-            if name.startswith("zinf")]  # accelerate's files are its own to keep
-    try:
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
-        with open(out) as f:
-            r = json.load(f)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    r.update(contender=name, process_wall_s=wall, files_left=left)
-    return r
+def _run(name: str, args) -> dict:
+    # accelerate's files are its own to keep (and removed with the folder): count zinf's only
+    return _harness.run("bench.inference", name, _harness.as_argv(args, DEFAULTS), args.timeout, args.threads,
+                        count_files=name.startswith("zinf"))
 
 
 def parent(args) -> int:
@@ -160,15 +142,12 @@ def parent(args) -> int:
         import transformers  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"bench inference needs transformers and accelerate: pip install -e '.[bench]' ({e})")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     runs, bws = [], []
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
-            runs.append(_run(n, args, env))
+            runs.append(_run(n, args))
             x = runs[-1]
             print(f"  {_median(x['forward_s']):.2f} s per forward, peak-base {x['peak_over_base'] / MiB:.0f} MiB",
                   flush=True)
@@ -276,22 +255,14 @@ def _draw(summary, checks, weights, budget, path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench inference", description=__doc__.split("\n")[0])
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=type(v), default=v)
+    _harness.add_options(ap, DEFAULTS)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--timeout", type=int, default=3600)
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        res = worker(args)
-        with open(args.result, "w") as f:
-            json.dump(res, f)
-        return 0
-    return parent(args)
+    served = _harness.serve(args, worker)
+    return parent(args) if served is None else served
 
 
 if __name__ == "__main__":

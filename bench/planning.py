@@ -42,6 +42,9 @@ def worker(args) -> dict:
                   vocab=args.vocab)
     if args.worker == "inductor":
         torch.set_num_threads(2)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.force_disable_caches = True  # a cold compile, as a user's first run
         model, (idx, tgt) = build(**kwargs)
         t0 = time.perf_counter()
         model(idx, tgt).loss.backward()
