@@ -66,3 +66,30 @@ def serve(args, worker) -> int | None:
     with open(args.result, "w") as f:
         json.dump(res, f)
     return 0
+
+
+def measure_steps(step, warmup: int, steps: int) -> dict:
+    """Run step() `warmup` times, then (heap trimmed, VmRSS read, VmHWM reset) `steps` times
+    timed. Returns the losses step() returned, the warm-up and step times, VmRSS after the
+    warm-up, VmHWM over the timed steps and the bytes zinf's engines moved per timed step."""
+    import gc
+
+    from bench import _rss
+    from bench.params import _engine_bytes
+
+    losses, warm, times = [], [], []
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        losses.append(step())
+        warm.append(time.perf_counter() - t0)
+    engines = _engine_bytes()
+    gc.collect()
+    after_warmup = _rss.baseline()  # trim, VmRSS, reset VmHWM
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    peak = _rss.hwm()
+    moved = {k: (v - engines.get(k, 0)) / max(1, steps) for k, v in _engine_bytes().items()}
+    return dict(losses=losses, warmup_s=warm, step_s=times, rss_after_warmup=after_warmup, peak=peak,
+                moved_per_step=moved)

@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from bench import _harness
+
 MiB = 2**20
 CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r", "zinf-cpu")
 LIMIT = 1.25
@@ -112,27 +114,13 @@ def worker(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    losses, warm = [], []
-    for _ in range(args.warmup):
-        t0 = time.perf_counter()
-        losses.append(step())
-        warm.append(time.perf_counter() - t0)
-    engines = _engine_bytes()
-    gc.collect()
-    after_warmup = _rss.baseline()  # trim, VmRSS, reset VmHWM
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    peak = _rss.hwm()
-    moved = {k: v - engines.get(k, 0) for k, v in _engine_bytes().items()}
+    m = _harness.measure_steps(step, args.warmup, args.steps)
+    peak = m["peak"]
     from zinf_compile.runtime.params import STORE
 
-    result = dict(contender=args.worker, rank=rank, world=world, base=base, rss_after_warmup=after_warmup,
-                  peak=peak, peak_over_base=peak - base, step_s=times, warmup_s=warm, losses=losses,
+    result = dict(contender=args.worker, rank=rank, world=world, base=base, **m, peak_over_base=peak - base,
                   param_bytes=param_bytes, shard_bytes=sum(e.shard_nbytes for e in STORE.entries()),
-                  managed=len(STORE), moved_per_step={k: v / args.steps for k, v in moved.items()})
+                  managed=len(STORE))
     if args.worker != "resident":
         plans = [p for p in zinf_compile.last_plans() if "forward" in p.graphs]
         if plans:

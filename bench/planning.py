@@ -24,10 +24,10 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
+
+from bench import _harness
 
 DEFAULTS = dict(hidden=256, seq=128, batch=8, heads=4, vocab=1024)
 
@@ -83,26 +83,8 @@ def worker(args) -> dict:
 
 
 def _run(kind: str, n: int, args) -> dict:
-    out = tempfile.mktemp(prefix="zinf-bench-planning-", suffix=".json")
-    cmd = [sys.executable, "-m", "bench.planning", "--worker", kind, "--n", str(n), "--result", out,
-           "--budget-share", str(args.budget_share)]
-    for k in DEFAULTS:
-        cmd += [f"--{k}", str(getattr(args, k))]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="2",
-               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    try:
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{kind} {n} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
-        with open(out) as f:
-            r = json.load(f)
-    finally:
-        if os.path.exists(out):
-            os.remove(out)
-    r["process_wall_s"] = time.perf_counter() - t0
-    return r
+    return _harness.run("bench.planning", kind, ["--n", str(n), "--budget-share", str(args.budget_share),
+                                                 *_harness.as_argv(args, DEFAULTS)], args.timeout, 2)
 
 
 def _slope(xs, ys) -> float:
@@ -204,23 +186,16 @@ def _draw(rows, inductor, path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench planning", description=__doc__.split("\n")[0])
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k}", type=type(v), default=v)
+    _harness.add_options(ap, DEFAULTS)
     ap.add_argument("--layers", default="4,8,16,32,64,128,256,352")
     ap.add_argument("--inductor-layers", default="4,8")
     ap.add_argument("--budget-share", type=float, default=0.6)
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--timeout", type=int, default=3600)
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        res = worker(args)
-        with open(args.result, "w") as f:
-            json.dump(res, f)
-        return 0
-    return parent(args)
+    served = _harness.serve(args, worker)
+    return parent(args) if served is None else served
 
 
 if __name__ == "__main__":

@@ -85,24 +85,9 @@ def worker(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    losses, warm = [], []
-    for _ in range(args.warmup):
-        t0 = time.perf_counter()
-        losses.append(step())
-        warm.append(time.perf_counter() - t0)
-    engines = _engine_bytes()
-    gc.collect()
-    after_warmup = _rss.baseline()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    peak = _rss.hwm()
-    moved = {k: v - engines.get(k, 0) for k, v in _engine_bytes().items()}
-    result = dict(contender=args.worker, base=base, rss_after_warmup=after_warmup, peak=peak,
-                  peak_over_base=peak - base, step_s=times, warmup_s=warm, losses=losses, param_bytes=param_bytes,
-                  moved_per_step={k: v / args.steps for k, v in moved.items()})
+    m = _harness.measure_steps(step, args.warmup, args.steps)
+    peak = m["peak"]
+    result = dict(contender=args.worker, base=base, **m, peak_over_base=peak - base, param_bytes=param_bytes)
     plans = [p for p in zinf_compile.last_plans() if "forward" in p.graphs]
     if options is not None and plans:
         p = plans[-1]
