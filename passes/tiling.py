@@ -222,11 +222,13 @@ class Candidate:
     uses: tuple = field(default=())  # matmul nodes reading its whole gather
     grads: tuple = field(default=())  # matmul nodes computing its whole gradient
     others: tuple = field(default=())  # names of other readers of the whole gather (they keep it)
+    k_bytes: int = 0  # output bytes of its uses split along K: each tile re-reads and re-writes them
 
 
 def candidates(graph: fx.Graph) -> dict[int, Candidate]:
     """The managed 2-d parameters this graph gathers whole (one rank) or reduces whole, with the
     matmuls tiling would split."""
+    from zinf_compile.analysis.sizes import tensor_nbytes
     from zinf_compile.runtime.ops import gather, reduce_grad
 
     found: dict[int, dict] = {}
@@ -237,7 +239,7 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
             return None
         return found.setdefault(z["pid"], {"pid": z["pid"], "name": z["name"], "rows": int(val.shape[0]),
                                            "nbytes": int(val.numel()) * val.element_size(),
-                                           "uses": [], "grads": [], "others": []})
+                                           "uses": [], "grads": [], "others": [], "k_bytes": 0})
 
     for g in graph.find_nodes(op="call_function", target=gather):
         c = slot(g.args[0])
@@ -245,6 +247,7 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
             continue
         uses = weight_uses(g)
         c["uses"] += [m for m, _, _ in uses]
+        c["k_bytes"] += sum(int(tensor_nbytes(m.meta["val"])) for m, _, axis in uses if axis == "K")
         reached = {v for _, v, _ in uses}
         c["others"] += [u.name for v in [g, *reached] for u in v.users
                         if u not in {m for m, _, _ in uses} and not _is_link(u)]
@@ -255,7 +258,7 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
         if src is not None:
             c["grads"].append(src[0])
     return {pid: Candidate(c["pid"], c["name"], c["rows"], c["nbytes"], tuple(c["uses"]), tuple(c["grads"]),
-                           tuple(c["others"])) for pid, c in found.items() if c["uses"] or c["grads"]}
+                           tuple(c["others"]), c["k_bytes"]) for pid, c in found.items() if c["uses"] or c["grads"]}
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,11 @@ def test_a_gathered_weight_is_live_at_the_matmul_reading_its_transpose(inference
                 assert facts.step_of[mm] in b.use_steps, (g.name, mm.name, b.use_steps)
                 checked += 1
     assert checked == (1 if inference else 2)  # the forward's matmul; and the input gradient's
+    from zinf_compile.passes.tiling import candidates
+
+    # the input gradient (backward) splits K: its float32 sum, [4, 600] fp32, is re-read per tile
+    k = {role: sum(c.k_bytes for c in candidates(gm.graph).values()) for role, gm in graphs.items()}
+    assert k == ({"inference": 0} if inference else {"forward": 0, "backward": 4 * 600 * 4})
 
 
 def test_graph_gathers_map_the_shard_file_and_what_outlives_the_graph_does_not(tile_engines):

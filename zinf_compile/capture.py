@@ -293,7 +293,7 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
     def failed(tiles, ahead, _e):
         how = [f"{len(tiles)} weight(s) tiled"] * bool(tiles) + ["fetched ahead"] * ahead
         if how:  # a choice's last failure is the caller's to report
-            tried.append(f"{what}{', ' if how else ''}{', '.join(how)}: over budget")
+            tried.append(f"{what}, {', '.join(how)}: over budget")
 
     return fit_tiled(graphs, choices, finish, (lambda gs: _prefetch_gathers(gs, tier, profile))
                      if managed and tier == "nvme" else None, on_fail=failed)[1]

@@ -68,7 +68,7 @@ def tile_choices(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, tiling
         for pid, c in candidates(gm.graph).items():
             cands[pid] = c if pid not in cands else dataclasses.replace(
                 cands[pid], uses=cands[pid].uses + c.uses, grads=cands[pid].grads + c.grads,
-                others=cands[pid].others + c.others)
+                others=cands[pid].others + c.others, k_bytes=cands[pid].k_bytes + c.k_bytes)
     if not cands:
         return [{}]
     if tiling == "force":

@@ -375,41 +375,12 @@ def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DevicePro
             need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else MAX_TILES + 1)
         if need <= 1 or need > min(MAX_TILES, c.rows):
             continue
-        acc = sum(_nbytes_of(m) for m in c.uses if hasattr(m, "meta") and _splits_k(m, c))
-
-        def cost(t, c=c, acc=acc):
+        def cost(t, c=c):
             return (t * TILE_OVERHEAD_S + profile.transfer_time(c.nbytes // t, tier, "in")
-                    + (t - 1) * 2 * acc / profile.mem_bw)
+                    + (t - 1) * 2 * c.k_bytes / profile.mem_bw)
 
         top = min(c.rows, 4 * need, MAX_TILES)
         out[pid] = min(range(min(need, c.rows), top + 1), key=lambda t: (cost(t), t))
-    return out
-
-
-def _nbytes_of(n) -> int:
-    from zinf_compile.analysis.sizes import tensor_nbytes
-
-    return int(tensor_nbytes(n.meta["val"]))
-
-
-def _splits_k(m, c) -> bool:
-    """Whether the weight reaches matmul m as its contraction dimension (a K split)."""
-    from zinf_compile.passes.tiling import weight_uses
-
-    return any(mm is m and axis == "K" for g in _gathers_of(m) for mm, _, axis in weight_uses(g))
-
-
-def _gathers_of(m):
-    """The whole-weight gathers a matmul reads through transposes."""
-    from zinf_compile.passes.params import is_gather
-    from zinf_compile.passes.tiling import _is_link
-
-    out = []
-    for a in m.all_input_nodes:
-        while _is_link(a):
-            a = a.args[0]
-        if is_gather(a):
-            out.append(a)
     return out
 
 

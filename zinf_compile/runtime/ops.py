@@ -98,8 +98,8 @@ def _whole_fake(p, *_):
     return torch.empty_like(p, memory_format=torch.contiguous_format)
 
 
-def _no_result_fake(x, p):
-    """reduce_grad, store_grad: an empty tensor nothing reads."""
+def _no_result_fake(x, *_):
+    """reduce_grad, store_grad, reduce_grad_rows: an empty tensor nothing reads."""
     return x.new_empty((0,))
 
 
@@ -124,9 +124,12 @@ def _fetch(p, engine, tier):
     return STORE.fetch(p, engine, tier)
 
 
-@torch.library.register_fake("zinf::fetch", lib=_lib)
-def _fetch_fake(p, engine, tier):
+def _ticket_fake(*_):
+    """fetch, fetch_rows: a one-element int64 handle on the CPU."""
     return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+torch.library.register_fake("zinf::fetch", _ticket_fake, lib=_lib)
 
 
 @torch.library.impl(_lib, "gather_from", "CompositeExplicitAutograd")
@@ -200,9 +203,7 @@ def _fetch_rows(p, engine, tier, start, end):
     return STORE.fetch(p, engine, tier, rows=(start, end))
 
 
-@torch.library.register_fake("zinf::fetch_rows", lib=_lib)
-def _fetch_rows_fake(p, engine, tier, start, end):
-    return torch.empty((1,), dtype=torch.int64, device="cpu")
+torch.library.register_fake("zinf::fetch_rows", _ticket_fake, lib=_lib)
 
 
 @torch.library.impl(_lib, "gather_rows_from", "CompositeExplicitAutograd")
@@ -223,9 +224,7 @@ def _reduce_grad_rows(g, p, start, end):
     return g.new_empty((0,))
 
 
-@torch.library.register_fake("zinf::reduce_grad_rows", lib=_lib)
-def _reduce_grad_rows_fake(g, p, start, end):
-    return g.new_empty((0,))
+torch.library.register_fake("zinf::reduce_grad_rows", _no_result_fake, lib=_lib)
 
 
 offload = torch.ops.zinf.offload.default
