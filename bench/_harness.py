@@ -68,28 +68,91 @@ def serve(args, worker) -> int | None:
     return 0
 
 
-def measure_steps(step, warmup: int, steps: int) -> dict:
-    """Run step() `warmup` times, then (heap trimmed, VmRSS read, VmHWM reset) `steps` times
-    timed. Returns the losses step() returned, the warm-up and step times, VmRSS after the
-    warm-up, VmHWM over the timed steps and the bytes zinf's engines moved per timed step."""
-    import gc
+def device(name: str) -> str:
+    """The device a benchmark runs on: "auto" is CUDA where torch sees one, else the CPU."""
+    import torch
 
-    from bench import _rss
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    return name
+
+
+class Meter:
+    """This process's memory on its device, as the benchmarks read it. On a CPU device: VmRSS with
+    the heap trimmed first, and VmHWM for the peak (bench/_rss.py). On CUDA: torch's caching
+    allocator, memory_allocated and max_memory_allocated (what a plan's budget bounds there; the
+    process's host RSS is reported beside it)."""
+
+    def __init__(self, dev: str) -> None:
+        self.cuda = dev.startswith("cuda")
+
+    def now(self) -> int:
+        """What is held now (after a gc; the heap trimmed on a CPU)."""
+        import gc
+
+        gc.collect()
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        from bench import _rss
+
+        _rss.trim()
+        return _rss.rss()
+
+    def baseline(self) -> int:
+        """now(), then the peak restarts from it."""
+        held = self.now()
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            from bench import _rss
+
+            _rss.reset_hwm()
+        return held
+
+    def peak(self) -> int:
+        """The most held since the last baseline()."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        from bench import _rss
+
+        return _rss.hwm()
+
+    def host_peak(self) -> int:
+        from bench import _rss
+
+        return _rss.hwm()
+
+
+def measure_steps(step, warmup: int, steps: int, meter: Meter | None = None) -> dict:
+    """Run step() `warmup` times, then (memory read and its peak reset: `meter`, VmRSS by default)
+    `steps` times timed. Returns the losses step() returned (a float: it waits for the device), the
+    warm-up and step times, the memory held after the warm-up, the peak over the timed steps and
+    the bytes zinf's engines moved per timed step."""
     from bench.params import _engine_bytes
 
+    meter = meter or Meter("cpu")
     losses, warm, times = [], [], []
     for _ in range(warmup):
         t0 = time.perf_counter()
         losses.append(step())
         warm.append(time.perf_counter() - t0)
     engines = _engine_bytes()
-    gc.collect()
-    after_warmup = _rss.baseline()  # trim, VmRSS, reset VmHWM
+    after_warmup = meter.baseline()
     for _ in range(steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    peak = _rss.hwm()
+    peak = meter.peak()
     moved = {k: (v - engines.get(k, 0)) / max(1, steps) for k, v in _engine_bytes().items()}
-    return dict(losses=losses, warmup_s=warm, step_s=times, rss_after_warmup=after_warmup, peak=peak,
+    return dict(losses=losses, warmup_s=warm, step_s=times, held_after_warmup=after_warmup, peak=peak,
                 moved_per_step=moved)

@@ -26,6 +26,10 @@ max(compute, bytes zinf reads / read bandwidth), compute being the in-memory Ind
 bandwidth measured in the same run, in the same folder (page cache included, as zinf sees it).
 Logits are checked against eager's.
 
+On a GPU (`--device auto` picks CUDA where torch sees one) the model runs there (accelerate's hooks
+load each weight onto it) and memory is torch's allocator: max_memory_allocated over the timed
+forwards, memory_allocated before the model for the base.
+
 Writes <out>/inference.json and <out>/inference.png.
 """
 from __future__ import annotations
@@ -43,7 +47,7 @@ from bench.params import _bandwidth, _engine_bytes, _machine, _median
 MiB = 2**20
 CONTENDERS = ("eager", "inductor", "zinf", "zinf-stream", "accelerate")
 DEFAULTS = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000, seq=128,
-                forwards=3, threads=2, seed=0, budget_share=0.25)
+                forwards=3, threads=2, seed=0, budget_share=0.25, device="auto")
 
 
 def _model(args):
@@ -73,12 +77,17 @@ def worker(args) -> dict:
 
     import zinf_compile
 
+    dev = _harness.device(args.device)
+    meter = _harness.Meter(dev)
     gc.collect()
     _rss.trim()
-    base = _rss.rss()
+    base = meter.now()
     model, ids = _model(args)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(weights * args.budget_share)
+    ids = ids.to(dev)
+    if args.worker != "accelerate":
+        model.to(dev)  # zinf takes the weights off the device at its compile
     if args.worker == "eager":
         fn = model
     elif args.worker == "inductor":
@@ -91,28 +100,30 @@ def worker(args) -> dict:
     else:
         from accelerate import disk_offload
 
-        fn = disk_offload(model, os.path.join(args.offload_dir, "accelerate"), execution_device=torch.device("cpu"))
+        fn = disk_offload(model, os.path.join(args.offload_dir, "accelerate"), execution_device=torch.device(dev))
 
     def forward():
         with torch.no_grad():
-            return fn(ids, use_cache=False).logits
+            out = fn(ids, use_cache=False).logits
+        if meter.cuda:
+            torch.cuda.synchronize()
+        return out
 
     t0 = time.perf_counter()
     logits = forward()
     warm = time.perf_counter() - t0
     engines = _engine_bytes()
-    gc.collect()
-    after_warmup = _rss.baseline()
+    after_warmup = meter.baseline()
     times = []
     for _ in range(args.forwards):
         t0 = time.perf_counter()
         forward()
         times.append(time.perf_counter() - t0)
-    peak = _rss.hwm()
+    peak = meter.peak()
     moved = {k: (v - engines.get(k, 0)) / args.forwards for k, v in _engine_bytes().items()}
-    out = dict(contender=args.worker, base=base, rss_after_warmup=after_warmup, peak=peak, peak_over_base=peak - base,
+    out = dict(contender=args.worker, device=dev, base=base, held_after_warmup=after_warmup, peak=peak, peak_over_base=peak - base,
                forward_s=times, warmup_s=warm, weights=weights, budget=budget, moved_per_forward=moved,
-               logits_head=logits.reshape(-1)[:4096].tolist(), logits_absmax=float(logits.abs().max()))
+               logits_head=logits.reshape(-1)[:4096].cpu().tolist(), logits_absmax=float(logits.abs().max()))
     plans = zinf_compile.last_plans()
     if args.worker.startswith("zinf") and plans:
         out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
@@ -162,8 +173,8 @@ def parent(args) -> int:
             diff = max(max(abs(a - b) for a, b in zip(x["logits_head"], ref)) for x in rs)
         summary[n] = dict(forward_s=_median([t for x in rs for t in x["forward_s"]]),
                           peak_over_base_max=max(x["peak_over_base"] for x in rs),
-                          growth_max=max(x["peak"] - x["rss_after_warmup"] for x in rs),
-                          held_median=_median([x["rss_after_warmup"] - x["base"] for x in rs]),
+                          growth_max=max(x["peak"] - x["held_after_warmup"] for x in rs),
+                          held_median=_median([x["held_after_warmup"] - x["base"] for x in rs]),
                           read_per_forward=_median([x["moved_per_forward"]["read"] for x in rs]),
                           warmup_s=_median([x["warmup_s"] for x in rs]), logits_max_diff_vs_eager=diff,
                           managed_bytes=rs[0].get("managed_bytes"), plans=rs[0].get("plans"),
@@ -190,14 +201,16 @@ def parent(args) -> int:
             z["logits_max_diff_vs_eager"] <= 1e-3 * max(1.0, runs[0]["logits_absmax"])
         checks[f"{k}_left_no_files"] = not z["files_left"]
     ok = all(v for v in checks.values() if isinstance(v, bool))
+    cuda = runs[0].get("device", "cpu").startswith("cuda")
     record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), weights=weights,
+                  device=runs[0].get("device", "cpu"), memory="torch.cuda max_memory_allocated" if cuda else "VmRSS",
                   budget=budget, bandwidth=bw, summary=summary, checks=checks, runs=runs, ok=ok)
     for x in record["runs"]:
         x.pop("logits_head", None)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "inference.json"), "w") as f:
         json.dump(record, f, indent=1)
-    _draw(summary, checks, weights, budget, os.path.join(args.out, "inference.png"))
+    _draw(summary, checks, weights, budget, os.path.join(args.out, "inference.png"), cuda)
     print(_table(summary, checks, weights, budget, bw))
     return 0 if ok else 1
 
@@ -222,7 +235,7 @@ def _table(summary, checks, weights, budget, bw) -> str:
     return "\n".join(lines)
 
 
-def _draw(summary, checks, weights, budget, path) -> None:
+def _draw(summary, checks, weights, budget, path, cuda: bool = False) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -245,7 +258,7 @@ def _draw(summary, checks, weights, budget, path) -> None:
     for i, v in enumerate(p):
         bx.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     bx.axhline(budget / MiB, color="#e76f51", ls="--", lw=1, label=f"zinf budget {budget / MiB:.0f} MiB")
-    bx.set_ylabel("peak RSS over the empty process (MiB)")
+    bx.set_ylabel("peak torch.cuda.max_memory_allocated (MiB)" if cuda else "peak RSS over the empty process (MiB)")
     bx.tick_params(axis="x", labelsize=7)
     bx.legend(fontsize=7, frameon=False)
     fig.suptitle(f"Llama, {weights / 2**30:.1f} GiB of fp32 weights, batch 1, seq 128", fontsize=9)

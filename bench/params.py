@@ -2,7 +2,7 @@
 AdamW states on NVMe, against everything resident.
 
     python -m bench params [--layers 6] [--hidden 4096] [--batch 512] [--budget 320MiB]
-                           [--steps 2] [--repeats 1] [--contenders resident,zinf-nvme,zinf-nvme-2r]
+                           [--steps 2] [--repeats 1] [--contenders auto] [--device auto]
 
 An MLP of `layers` square Linear layers (GELU between, MSE loss) is trained with AdamW by each
 contender, each in fresh processes, alternately:
@@ -29,6 +29,14 @@ bound max(compute, transfer): compute = the resident step time, transfer = the b
 and from its files per step / the read and write bandwidths measured in the same run, in the same
 folder (page cache included, as zinf sees it: files are not opened with O_DIRECT by default).
 
+On a GPU (`--device auto`, the default, picks CUDA where torch sees one; `--device cpu` forces the
+CPU) the model and its inputs live on the device and memory is torch's allocator instead:
+`base` = torch.cuda.memory_allocated() before the model exists, `held` after the warm-up, the peak
+= max_memory_allocated() over the measured steps (reset after the warm-up); the process's host RSS
+peak is kept beside it. There the plan covers everything the allocator holds, so each zinf
+contender's peak is checked against 1.25x the budget, and the CPU tier (`zinf-cpu`) frees device
+memory and is a contender. Ranks use NCCL there (one GPU a rank).
+
 Writes <out>/params.json and <out>/params.png; exits 1 when a check fails.
 """
 from __future__ import annotations
@@ -50,12 +58,12 @@ CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r", "zinf-cpu")
 LIMIT = 1.25
 STATE_FACTOR = 4.0
 DEFAULTS = dict(model="mlp", layers=6, hidden=4096, batch=512, seq=256, heads=16, vocab=8192, steps=2, warmup=1,
-                threads=2, seed=0, lr=1e-4)
+                threads=2, seed=0, lr=1e-4, device="auto")
 
 
-def _build(args):
-    """(model, inputs, loss(fn, *inputs)) of `args.model`: "mlp" (square Linear layers, GELU, MSE
-    against a random target) or "gpt" (examples/gpt.py: embeddings, attention blocks, head)."""
+def _build(args, device: str = "cpu"):
+    """(model, inputs, loss(fn, *inputs)) of `args.model` on `device`: "mlp" (square Linear layers,
+    GELU, MSE against a random target) or "gpt" (examples/gpt.py: embeddings, attention blocks, head)."""
     import torch
     from torch import nn
 
@@ -64,16 +72,16 @@ def _build(args):
         from gpt import build
 
         model, inputs = build(batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden,
-                              heads=args.heads, vocab=args.vocab, seed=args.seed)
+                              heads=args.heads, vocab=args.vocab, seed=args.seed, device=device)
         return model, inputs, lambda fn, idx, tgt: fn(idx, tgt).loss
     torch.manual_seed(args.seed)
     layers = []
     for _ in range(args.layers):
         layers += [nn.Linear(args.hidden, args.hidden), nn.GELU()]
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(device)
     g = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(args.batch, args.hidden, generator=g)
-    y = torch.randn(args.batch, args.hidden, generator=g)
+    x = torch.randn(args.batch, args.hidden, generator=g).to(device)
+    y = torch.randn(args.batch, args.hidden, generator=g).to(device)
     return model, (x, y), lambda fn, x, y: torch.nn.functional.mse_loss(fn(x), y)
 
 
@@ -85,17 +93,22 @@ def worker(args) -> dict:
 
     from bench import _rss
 
+    dev = _harness.device(args.device)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if dev == "cuda":
+        dev = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(dev)
     torch.set_num_threads(args.threads)
     import zinf_compile  # noqa: F401  (imported before the baseline, like torch)
 
+    meter = _harness.Meter(dev)
     gc.collect()
     _rss.trim()
-    base = _rss.rss()
-    model, inputs, loss_of = _build(args)
+    base, host_base = meter.now(), _rss.rss()
+    model, inputs, loss_of = _build(args, dev)
     inputs = tuple(t.chunk(world)[rank] for t in inputs)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if args.worker == "resident":
@@ -114,11 +127,12 @@ def worker(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    m = _harness.measure_steps(step, args.warmup, args.steps)
+    m = _harness.measure_steps(step, args.warmup, args.steps, meter)
     peak = m["peak"]
     from zinf_compile.runtime.params import STORE
 
-    result = dict(contender=args.worker, rank=rank, world=world, base=base, **m, peak_over_base=peak - base,
+    result = dict(contender=args.worker, rank=rank, world=world, device=dev, base=base, **m, peak_over_base=peak - base,
+                  host_peak_over_base=_rss.hwm() - host_base,
                   param_bytes=param_bytes, shard_bytes=sum(e.shard_nbytes for e in STORE.entries()),
                   managed=len(STORE))
     if args.worker != "resident":
@@ -197,6 +211,19 @@ def _run(name: str, args, env: dict) -> list[dict]:
     return out
 
 
+def _contenders(args) -> str:
+    """--contenders, where "auto" is: resident and NVMe (one and two ranks) on a CPU, where the CPU
+    tier is the same RAM; on CUDA the CPU tier too, and two ranks where there are two GPUs."""
+    if args.contenders != "auto":
+        return args.contenders
+    two = "zinf-nvme-2r" if args.model == "mlp" else ""
+    if _harness.device(args.device) == "cuda":
+        import torch
+
+        return ",".join(["resident", "zinf-cpu", "zinf-nvme"] + ([two] if two and torch.cuda.device_count() > 1 else []))
+    return ",".join(["resident", "zinf-nvme"] + ([two] if two else []))
+
+
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -205,10 +232,16 @@ def parent(args) -> int:
     from zinf_compile.units import parse_bytes
 
     budget = parse_bytes(args.budget)
-    names = [n for n in args.contenders.split(",") if n]
+    names = [n for n in _contenders(args).split(",") if n]
     for n in names:
         if n not in CONTENDERS:
             raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
+    if _harness.device(args.device) == "cuda" and any(n.endswith("-2r") for n in names):
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("the -2r contenders need two GPUs (NCCL: one GPU a rank); this machine has "
+                             f"{torch.cuda.device_count()}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
@@ -225,8 +258,8 @@ def parent(args) -> int:
         rs = [x for x in runs if x["contender"] == n]
         summary[n] = dict(
             ranks=max(x["world"] for x in rs),
-            growth_max=max(x["peak"] - x["rss_after_warmup"] for x in rs),
-            held_median=_median([x["rss_after_warmup"] - x["base"] for x in rs]),
+            growth_max=max(x["peak"] - x["held_after_warmup"] for x in rs),
+            held_median=_median([x["held_after_warmup"] - x["base"] for x in rs]),
             peak_over_base_max=max(x["peak_over_base"] for x in rs),
             peak_over_base_median=_median([x["peak_over_base"] for x in rs]),
             step_s=_median([s for x in rs for s in x["step_s"]]),
@@ -240,6 +273,12 @@ def parent(args) -> int:
     states = 4 * params  # parameters + gradients + AdamW's two states, fp32
     bw = {k: _median([b[k] for b in bws]) for k in ("read_Bps", "write_Bps")}
     checks = {"states_vs_budget": states / budget, "states_at_least_4x_budget": states >= STATE_FACTOR * budget}
+    cuda = runs[0].get("device", "cpu").startswith("cuda")
+    for n in names:  # on CUDA the allocator sees only tensors: everything on the device is the plan's
+        if cuda and n.startswith("zinf"):
+            k = n.replace("-", "_")
+            checks[f"{k}_peak_vs_budget"] = summary[n]["peak_over_base_max"] / budget
+            checks[f"{k}_peak_within_1.25x_budget"] = summary[n]["peak_over_base_max"] <= LIMIT * budget
     if "zinf-nvme" in summary:
         z = summary["zinf-nvme"]
         checks["zinf_growth_vs_budget"] = z["growth_max"] / budget
@@ -263,12 +302,13 @@ def parent(args) -> int:
         checks["shards_halve"] = bool(one) and abs(two / one - 0.5) < 0.01
     ok = all(v for k, v in checks.items() if isinstance(v, bool))
     record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), budget=budget,
+                  device=runs[0].get("device", "cpu"), memory="torch.cuda max_memory_allocated" if cuda else "VmRSS",
                   param_bytes=params, states_bytes=states, bandwidth=bw, summary=summary, checks=checks,
                   runs=runs, ok=ok)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)
-    _draw(summary, budget, states, os.path.join(args.out, f"{args.name}.png"))
+    _draw(summary, budget, states, os.path.join(args.out, f"{args.name}.png"), cuda)
     print(_table(summary, budget, states, bw, checks))
     return 0 if ok else 1
 
@@ -278,8 +318,11 @@ def _machine() -> dict:
 
     import torch
 
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    out = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
 
 
 def _table(summary, budget, states, bw, checks) -> str:
@@ -304,7 +347,7 @@ def _table(summary, budget, states, bw, checks) -> str:
     return "\n".join(lines)
 
 
-def _draw(summary, budget, states, path) -> None:
+def _draw(summary, budget, states, path, cuda: bool = False) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -323,7 +366,8 @@ def _draw(summary, budget, states, path) -> None:
     for i, h in enumerate(held):  # the budget bounds the growth: drawn on top of what is held
         ax.hlines(h + budget / MiB, i - 0.45, i + 0.45, color="#e76f51", lw=1.4,
                   label=f"held + budget ({budget / MiB:.0f} MiB)" if i == 0 else None)
-    ax.set_ylabel("peak RSS over the empty process, per rank (MiB)")
+    ax.set_ylabel("peak of torch.cuda.max_memory_allocated (MiB)" if cuda else
+                  "peak RSS over the empty process, per rank (MiB)")
     ax.set_title(f"params + grads + AdamW states {states / MiB:.0f} MiB = {states / budget:.1f}x budget", fontsize=9)
     ax.set_ylim(0, max(vals + [h + budget / MiB for h in held]) * 1.25)
     ax.legend(fontsize=8, loc="upper right", frameon=False)
@@ -333,13 +377,14 @@ def _draw(summary, budget, states, path) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "params", defaults: dict | None = None) -> int:
     """`defaults`: other defaults (bench training: the GPT); `prog` names the outputs."""
-    defaults = {**DEFAULTS, "budget": "320MiB", "contenders": "resident,zinf-nvme,zinf-nvme-2r", **(defaults or {})}
+    defaults = {**DEFAULTS, "budget": "320MiB", "contenders": "auto", **(defaults or {})}
     ap = argparse.ArgumentParser(prog=f"python -m bench {prog}", description=__doc__.split("\n")[0])
     for k, v in DEFAULTS.items():
         ap.add_argument(f"--{k}", type=type(v), default=defaults[k])
     ap.add_argument("--budget", default=defaults["budget"])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--contenders", default=defaults["contenders"], help=f"some of {', '.join(CONTENDERS)}")
+    ap.add_argument("--contenders", default=defaults["contenders"],
+                    help=f"some of {', '.join(CONTENDERS)}, or auto (what the device makes meaningful)")
     ap.add_argument("--name", default=prog, help="base name of the JSON and PNG written")
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--timeout", type=int, default=1800)

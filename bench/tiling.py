@@ -121,8 +121,8 @@ def parent(args) -> int:
     for n in names:
         rs = [x for x in runs if x["contender"] == n]
         summary[n] = dict(
-            growth_max=max(x["peak"] - x["rss_after_warmup"] for x in rs),
-            held_median=_median([x["rss_after_warmup"] - x["base"] for x in rs]),
+            growth_max=max(x["peak"] - x["held_after_warmup"] for x in rs),
+            held_median=_median([x["held_after_warmup"] - x["base"] for x in rs]),
             peak_over_base_max=max(x["peak_over_base"] for x in rs),
             step_s=_median([s for x in rs for s in x["step_s"]]),
             moved_per_step=_median([sum(x["moved_per_step"].values()) for x in rs]),
