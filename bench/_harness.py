@@ -36,36 +36,70 @@ def as_argv(args, keys) -> list[str]:
     return out
 
 
-def run(module: str, name: str, argv: list[str], timeout: int, threads: int, count_files: bool = True) -> dict:
-    """Run contender `name` of `module` in a fresh process with its own swap folder; its result,
-    with the process's wall time and the files it left in that folder (`count_files`)."""
+def run(module: str, name: str, argv: list[str], timeout: int, threads: int, count_files: bool = True,
+        worker: str | None = None, ranks: int = 1) -> list[dict]:
+    """Run contender `name` of `module` in fresh processes with their own swap folder: `worker`
+    (default `name`) in one process, or in `ranks` under torchrun (--standalone); the result of
+    each rank, with the processes' wall time and the files they left in that folder
+    (`count_files`)."""
     tmp = tempfile.mkdtemp(prefix=f"zinf-{module.replace('.', '-')}-")
     out = os.path.join(tmp, "result.json")
-    cmd = [sys.executable, "-m", module, "--worker", name, "--offload-dir", os.path.join(tmp, "swap"),
-           "--result", out, *argv]
+    args = ["--worker", worker or name, "--offload-dir", os.path.join(tmp, "swap"), "--result", out, *argv]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "--module", module, *args]
+    else:
+        cmd = [sys.executable, "-m", module, *args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env(threads), capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     left = [f for _, _, fs in os.walk(os.path.join(tmp, "swap")) for f in fs] if count_files else []
     try:
-        if proc.returncode != 0 or not os.path.exists(out):
+        files = [_result_path(out, r, ranks) for r in range(ranks)]
+        if proc.returncode != 0 or not all(os.path.exists(f) for f in files):
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
-        with open(out) as f:
-            r = json.load(f)
+        results = []
+        for f in files:
+            with open(f) as fh:
+                results.append(json.load(fh))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    r.update(contender=name, process_wall_s=wall, files_left=left)
-    return r
+    for r in results:
+        r.update(contender=name, process_wall_s=wall, files_left=left)
+    return results
+
+
+def _result_path(out: str, rank: int, ranks: int) -> str:
+    return out if ranks == 1 else f"{out}.rank{rank}"  # torchrun interleaves the ranks' stdout: a file each
 
 
 def serve(args, worker) -> int | None:
-    """In a worker process: run worker(args), write its result, return 0; else None."""
+    """In a worker process: run worker(args), write its result (a file per rank under torchrun),
+    return 0; else None."""
     if not args.worker:
         return None
     res = worker(args)
-    with open(args.result, "w") as f:
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    with open(_result_path(args.result, int(os.environ.get("RANK", "0")), ranks), "w") as f:
         json.dump(res, f)
     return 0
+
+
+def alternate(names: list[str], known, repeats: int, run_one, after_repeat=None) -> list[dict]:
+    """Each of `names` (checked against `known`) run by run_one(name) -> [result, ...], `repeats`
+    times, the order rotated each repeat so no contender always runs first or after the same one;
+    after_repeat() after each. Every result, in the order run."""
+    for n in names:
+        if n not in known:
+            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(known)}")
+    runs: list[dict] = []
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            print(f"[{r + 1}/{repeats}] {n} ...", flush=True)
+            runs += run_one(n)
+        if after_repeat is not None:
+            after_repeat()
+    return runs
 
 
 def device(name: str) -> str:

@@ -137,32 +137,25 @@ def worker(args) -> dict:
     return out
 
 
-def _run(name: str, args) -> dict:
+def _run(name: str, args) -> list[dict]:
     # accelerate's files are its own to keep (and removed with the folder): count zinf's only
-    return _harness.run("bench.inference", name, _harness.as_argv(args, DEFAULTS), args.timeout, args.threads,
+    runs = _harness.run("bench.inference", name, _harness.as_argv(args, DEFAULTS), args.timeout, args.threads,
                         count_files=name.startswith("zinf"))
+    x = runs[0]
+    print(f"  {_median(x['forward_s']):.2f} s per forward, peak-base {x['peak_over_base'] / MiB:.0f} MiB", flush=True)
+    return runs
 
 
 def parent(args) -> int:
-    names = [n for n in args.contenders.split(",") if n]
-    for n in names:
-        if n not in CONTENDERS:
-            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
     try:
         import accelerate  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"bench inference needs transformers and accelerate: pip install -e '.[bench]' ({e})")
-    runs, bws = [], []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
-            runs.append(_run(n, args))
-            x = runs[-1]
-            print(f"  {_median(x['forward_s']):.2f} s per forward, peak-base {x['peak_over_base'] / MiB:.0f} MiB",
-                  flush=True)
-        bws.append(_bandwidth(tempfile.gettempdir(), mib=512))
+    names = [n for n in args.contenders.split(",") if n]
+    bws: list[dict] = []
+    runs = _harness.alternate(names, CONTENDERS, args.repeats, lambda n: _run(n, args),
+                              lambda: bws.append(_bandwidth(tempfile.gettempdir(), mib=512)))
     bw = {k: _median([b[k] for b in bws]) for k in ("read_Bps", "write_Bps")}
     ref = next((x["logits_head"] for x in runs if x["contender"] == "eager"), None)
     summary = {}

@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -181,34 +180,11 @@ def _bandwidth(folder: str, mib: int = 256) -> dict:
     return {"write_Bps": w, "read_Bps": r}
 
 
-def _run(name: str, args, env: dict) -> list[dict]:
-    tmp = tempfile.mkdtemp(prefix="zinf-bench-params-")
-    results = tempfile.mkdtemp(prefix="zinf-bench-results-")
-    base = ["-m", "bench.params", "--worker", "zinf-nvme" if name.startswith("zinf-nvme") else name,
-            "--budget", args.budget, "--offload-dir", tmp, "--result-dir", results]
-    for k in DEFAULTS:
-        base += [f"--{k}", str(getattr(args, k))]
-    if name.endswith("-2r"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--module", *base[1:]]
-    else:
-        cmd = [sys.executable, *base]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    left = [f for _, _, fs in os.walk(tmp) for f in fs]
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = sorted(os.listdir(results))
-    out = []
-    for fn in files:
-        with open(os.path.join(results, fn)) as f:
-            r = json.load(f)
-        r.update(contender=name, process_wall_s=wall, files_left=left)
-        out.append(r)
-    shutil.rmtree(results, ignore_errors=True)
-    if proc.returncode != 0 or not out:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
-    return out
+def _run(name: str, args) -> list[dict]:
+    """Contender `name` in fresh processes: the -2r ones as zinf-nvme on two ranks (torchrun)."""
+    two = name.endswith("-2r")
+    return _harness.run("bench.params", name, ["--budget", args.budget, *_harness.as_argv(args, DEFAULTS)],
+                        args.timeout, args.threads, worker=name[:-3] if two else name, ranks=2 if two else 1)
 
 
 def _contenders(args) -> str:
@@ -233,26 +209,15 @@ def parent(args) -> int:
 
     budget = parse_bytes(args.budget)
     names = [n for n in _contenders(args).split(",") if n]
-    for n in names:
-        if n not in CONTENDERS:
-            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
     if _harness.device(args.device) == "cuda" and any(n.endswith("-2r") for n in names):
         import torch
 
         if torch.cuda.device_count() < 2:
             raise SystemExit("the -2r contenders need two GPUs (NCCL: one GPU a rank); this machine has "
                              f"{torch.cuda.device_count()}")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
-    runs: list[dict] = []
-    bws = []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
-            runs += _run(n, args, env)
-        bws.append(_bandwidth(tempfile.gettempdir()))
+    bws: list[dict] = []
+    runs = _harness.alternate(names, CONTENDERS, args.repeats, lambda n: _run(n, args),
+                              lambda: bws.append(_bandwidth(tempfile.gettempdir())))
     summary = {}
     for n in names:
         rs = [x for x in runs if x["contender"] == n]
@@ -390,14 +355,10 @@ def main(argv: list[str] | None = None, prog: str = "params", defaults: dict | N
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--offload-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--result-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        res = worker(args)
-        with open(os.path.join(args.result_dir, f"rank{res['rank']}.json"), "w") as f:
-            json.dump(res, f)  # one file per rank: torchrun interleaves the ranks' stdout
-        return 0
-    return parent(args)
+    served = _harness.serve(args, worker)
+    return parent(args) if served is None else served
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def worker(args) -> dict:
 
 def _run(kind: str, n: int, args) -> dict:
     return _harness.run("bench.planning", kind, ["--n", str(n), "--budget-share", str(args.budget_share),
-                                                 *_harness.as_argv(args, DEFAULTS)], args.timeout, 2)
+                                                 *_harness.as_argv(args, DEFAULTS)], args.timeout, 2)[0]
 
 
 def _slope(xs, ys) -> float:

@@ -33,7 +33,7 @@ import sys
 import time
 
 from bench import _harness
-from bench.params import _engine_bytes, _machine, _median
+from bench.params import _machine, _median
 
 MiB = 2**20
 CONTENDERS = ("eager", "zinf-tiled", "zinf-untiled", "zinf-forced")
@@ -98,7 +98,7 @@ def worker(args) -> dict:
     return result
 
 
-def _run(name: str, args) -> dict:
+def _run(name: str, args) -> list[dict]:
     return _harness.run("bench.tiling", name, ["--budget", args.budget, "--roomy", args.roomy,
                                                *_harness.as_argv(args, DEFAULTS)], args.timeout, args.threads)
 
@@ -108,15 +108,7 @@ def parent(args) -> int:
 
     budget = parse_bytes(args.budget)
     names = [n for n in args.contenders.split(",") if n]
-    for n in names:
-        if n not in CONTENDERS:
-            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
-    runs: list[dict] = []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            print(f"[{r + 1}/{args.repeats}] {n} ...", flush=True)
-            runs.append(_run(n, args))
+    runs = _harness.alternate(names, CONTENDERS, args.repeats, lambda n: _run(n, args))
     summary = {}
     for n in names:
         rs = [x for x in runs if x["contender"] == n]
