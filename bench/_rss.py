@@ -51,7 +51,8 @@ def rss() -> int:
 
 
 def hwm() -> int:
-    return status()["VmHWM"]
+    s = status()
+    return s.get("VmHWM", s["VmRSS"])  # gVisor's /proc has no VmHWM: the current RSS then
 
 
 def reset_hwm() -> None:
