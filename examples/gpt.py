@@ -39,7 +39,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int) -> None:
+    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, tie: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq, hidden)
@@ -49,6 +49,8 @@ class GPT(nn.Module):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+        if tie:  # GPT-2's way: the output head reads the token embedding
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
         t = idx.shape[1]
@@ -63,11 +65,11 @@ class GPT(nn.Module):
 
 
 def build(batch: int = 8, seq: int = 128, layers: int = 4, hidden: int = 256, heads: int = 4,
-          vocab: int = 1024, device: str = "cpu", seed: int = 0):
+          vocab: int = 1024, device: str = "cpu", seed: int = 0, tie: bool = False):
     """(model, example inputs) for `zinf plan`, the demo and the tests."""
     torch.manual_seed(seed)
     with torch.device(device):  # built in place: no copy, and it works under FakeTensorMode
-        model = GPT(vocab, seq, layers, hidden, heads)
+        model = GPT(vocab, seq, layers, hidden, heads, tie)
     idx = torch.randint(0, vocab, (batch, seq), device=device)
     targets = torch.randint(0, vocab, (batch, seq), device=device)
     return model, (idx, targets)
