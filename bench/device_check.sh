@@ -25,7 +25,8 @@ step environment
 step install
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { echo "install failed" | tee -a "$LOG"; exit 1; }
 step "tests/test_cuda.py"
-timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/test_cuda.py 2>&1 | tail -40 | tee -a "$LOG"
+timeout 150 python3 -m pytest -q -rP -p no:cacheprovider --timeout=90 tests/test_cuda.py >"$OUT/pytest.txt" 2>&1
+grep -E '\[cuda\]|passed|failed|Error|assert' "$OUT/pytest.txt" | tail -60 | tee -a "$LOG"  # the whole output: pytest.txt
 step "bench training (GPU)"
 timeout 240 python3 -m bench training --device cuda --repeats 1 --contenders resident,zinf-cpu,zinf-nvme --threads 8 --out "$OUT" 2>&1 | tail -15 | tee -a "$LOG"
 step "bench inference (GPU)"

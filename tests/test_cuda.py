@@ -38,6 +38,13 @@ def _peak_of(fn, model, inputs) -> tuple[object, int]:
     return out, torch.cuda.max_memory_allocated() - foreign
 
 
+def _say(what: str, **facts) -> None:
+    """One line of what a test measured (bench/device_check.sh shows the passing tests' output)."""
+    print(f"[cuda] {what}: " + ", ".join(f"{k}={v / 2**20:.2f}MiB" if isinstance(v, int) and k != "actions"
+                                          and ("peak" in k or k == "budget") else f"{k}={v}"
+                                          for k, v in facts.items()))
+
+
 def _mlp(seed=0, width=1024, layers=4):
     torch.manual_seed(seed)
     mods = []
@@ -95,6 +102,8 @@ def test_activations_offloaded_to_pinned_host_memory_stay_under_the_budget(offlo
     del cref, ref
     losses, peak = _peak_of(lambda: steps(cm, model), model, inputs)
     plan = _last_forward_plan()
+    _say("activations", peak=peak, budget=plan.budget, plan_peak=plan.peak_after, inductor_peak=ref_peak,
+         actions=plan.action_counts())
     assert plan.action_counts().get("offload", 0) > 0, plan.action_counts()
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5)
     # the plan covers one graph; the step also holds the parameters, the optimizer's temporaries and
@@ -125,6 +134,8 @@ def test_offloaded_parameters_train_like_inductor_and_adamw(tier, offload_root):
     want = {k: v.cpu() for k, v in ref.state_dict().items()}
     del ref, ropt
     l2, peak = _peak_of(lambda: _train(cm, opt, x, y, 2), model, (x, y))
+    _say(f"params-{tier}", peak=peak, budget=budget, plan_peak=_last_forward_plan().peak_after,
+         losses=[round(float(v), 6) for v in l2])
     torch.testing.assert_close(torch.cat([losses, l2]), torch.cat([ref_losses, r2]), rtol=1e-5, atol=1e-6)
     full = zinf_compile.full_state_dict(model)
     for k, v in want.items():
@@ -146,6 +157,7 @@ def test_streamed_inference_prefetches_and_matches_eager(offload_root):
         cm(x)
         got, peak = _peak_of(lambda: cm(x), model, (x,))
     plan = zinf_compile.last_plans()[-1]
+    _say("inference", peak=peak, budget=budget, plan_peak=plan.peak_after, actions=plan.action_counts())
     assert plan.action_counts().get("fetch", 0) >= 5, plan.action_counts()
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     assert peak <= budget, (peak, budget)
@@ -181,5 +193,6 @@ def test_a_weight_larger_than_the_budget_is_tiled_on_the_gpu(offload_root):
     rl = steps(cref, ropt, 2)
     del cref, ref, ropt
     zl, peak = _peak_of(lambda: steps(cm, opt, 2), model, (x, y))
+    _say("tiled", peak=peak, budget=budget, tiles=[(t.op, t.axis, t.count) for t in _last_forward_plan().tiles])
     torch.testing.assert_close(torch.cat([first[1], zl]), torch.cat([first[0], rl]), rtol=1e-4, atol=1e-5)
     assert peak <= budget, (peak, budget)
