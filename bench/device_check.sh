@@ -28,7 +28,7 @@ step "tests/test_cuda.py"
 timeout 150 python3 -m pytest -q -rP -p no:cacheprovider --timeout=90 tests/test_cuda.py >"$OUT/pytest.txt" 2>&1
 grep -E '\[cuda\]|passed|failed|Error|assert' "$OUT/pytest.txt" | tail -60 | tee -a "$LOG"  # the whole output: pytest.txt
 step "bench training (GPU)"
-timeout 240 python3 -m bench training --device cuda --repeats 1 --contenders resident,zinf-cpu,zinf-nvme --threads 8 --out "$OUT" 2>&1 | tail -15 | tee -a "$LOG"
+timeout 200 python3 -m bench training --device cuda --repeats 1 --contenders resident,zinf-cpu,zinf-nvme --threads 8 --out "$OUT" 2>&1 | tail -15 | tee -a "$LOG"
 step "bench inference (GPU)"
-timeout 120 python3 -m bench inference --device cuda --repeats 1 --layers 4 --forwards 2 --threads 8 --out "$OUT" 2>&1 | tail -15 | tee -a "$LOG"
+timeout 170 python3 -m bench inference --device cuda --repeats 1 --layers 4 --forwards 2 --threads 8 --contenders eager,inductor,zinf,accelerate --out "$OUT" 2>&1 | tail -15 | tee -a "$LOG"
 step done

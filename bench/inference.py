@@ -173,6 +173,7 @@ def parent(args) -> int:
                           managed_bytes=rs[0].get("managed_bytes"), plans=rs[0].get("plans"),
                           files_left=sorted({f for x in rs for f in x["files_left"]}))
     weights, budget = runs[0]["weights"], runs[0]["budget"]
+    cuda = runs[0].get("device", "cpu").startswith("cuda")
     checks: dict = {}
     for name in ("zinf", "zinf-stream"):
         if name not in summary:
@@ -190,11 +191,13 @@ def parent(args) -> int:
             checks.update({f"accelerate_vs_{k}": a["forward_s"] / z["forward_s"],
                            f"{k}_1_5x_faster_than_accelerate": a["forward_s"] >= 1.5 * z["forward_s"],
                            f"{k}_peak_not_above_accelerate": z["peak_over_base_max"] <= a["peak_over_base_max"]})
+        if cuda:  # the allocator holds only tensors there: all of them the plan's
+            checks[f"{k}_peak_vs_budget"] = z["peak_over_base_max"] / budget
+            checks[f"{k}_peak_within_1_25x_budget"] = z["peak_over_base_max"] <= 1.25 * budget
         checks[f"{k}_logits_match_eager"] = z["logits_max_diff_vs_eager"] is not None and \
             z["logits_max_diff_vs_eager"] <= 1e-3 * max(1.0, runs[0]["logits_absmax"])
         checks[f"{k}_left_no_files"] = not z["files_left"]
     ok = all(v for v in checks.values() if isinstance(v, bool))
-    cuda = runs[0].get("device", "cpu").startswith("cuda")
     record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), weights=weights,
                   device=runs[0].get("device", "cpu"), memory="torch.cuda max_memory_allocated" if cuda else "VmRSS",
                   budget=budget, bandwidth=bw, summary=summary, checks=checks, runs=runs, ok=ok)

@@ -12,6 +12,7 @@ contender, each in fresh processes, alternately:
                    + zinf_compile.optimizer(model, AdamW): the planner shards parameters to NVMe
                    because they do not fit; gradients and AdamW states live there too
     zinf-nvme-2r   the same under torchrun --nproc-per-node 2 (gloo), the global batch split
+    zinf-cpu       the CPU tier instead (a contender on a GPU; on a CPU device it frees nothing)
 
 Memory: every process reads VmRSS after its imports, before the model exists (`base`), then builds,
 compiles and warms up (`held` = VmRSS then - base: compiled code and whatever the contender keeps
@@ -93,13 +94,15 @@ def worker(args) -> dict:
     from bench import _rss
 
     dev = _harness.device(args.device)
+    cuda = dev.startswith("cuda")
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    if distributed:
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if dev == "cuda":
-        dev = f"cuda:{rank % torch.cuda.device_count()}"
+    if cuda and distributed:  # one GPU a rank, chosen before NCCL starts
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+    if cuda:
         torch.cuda.set_device(dev)
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.set_num_threads(args.threads)
     import zinf_compile  # noqa: F401  (imported before the baseline, like torch)
 
@@ -131,7 +134,7 @@ def worker(args) -> dict:
     from zinf_compile.runtime.params import STORE
 
     result = dict(contender=args.worker, rank=rank, world=world, device=dev, base=base, **m, peak_over_base=peak - base,
-                  host_peak_over_base=_rss.hwm() - host_base,
+                  host_peak_over_base=meter.host_peak() - host_base,
                   param_bytes=param_bytes, shard_bytes=sum(e.shard_nbytes for e in STORE.entries()),
                   managed=len(STORE))
     if args.worker != "resident":
@@ -189,11 +192,12 @@ def _run(name: str, args) -> list[dict]:
 
 def _contenders(args) -> str:
     """--contenders, where "auto" is: resident and NVMe (one and two ranks) on a CPU, where the CPU
-    tier is the same RAM; on CUDA the CPU tier too, and two ranks where there are two GPUs."""
+    tier is the same RAM; on CUDA the CPU tier too, and two ranks where there are two GPUs. Two
+    ranks for the MLP only: `bench training` (the GPT) compares tiers, not ranks."""
     if args.contenders != "auto":
         return args.contenders
     two = "zinf-nvme-2r" if args.model == "mlp" else ""
-    if _harness.device(args.device) == "cuda":
+    if _harness.device(args.device).startswith("cuda"):
         import torch
 
         return ",".join(["resident", "zinf-cpu", "zinf-nvme"] + ([two] if two and torch.cuda.device_count() > 1 else []))
@@ -209,7 +213,7 @@ def parent(args) -> int:
 
     budget = parse_bytes(args.budget)
     names = [n for n in _contenders(args).split(",") if n]
-    if _harness.device(args.device) == "cuda" and any(n.endswith("-2r") for n in names):
+    if _harness.device(args.device).startswith("cuda") and any(n.endswith("-2r") for n in names):
         import torch
 
         if torch.cuda.device_count() < 2:
@@ -287,6 +291,13 @@ def _machine() -> dict:
            "platform": platform.platform()}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
+    from importlib import metadata
+
+    for pkg in ("transformers", "accelerate"):  # bench inference's peers: pinned here, not on every machine
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
     return out
 
 

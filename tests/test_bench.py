@@ -22,7 +22,13 @@ def test_alternate_rotates_the_order_each_repeat_and_rejects_unknown_contenders(
         _harness.alternate(["a", "d"], ("a", "b"), 1, lambda n: [])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmRSS/VmHWM are Linux's")
+def _has_hwm() -> bool:
+    from bench import _rss
+
+    return sys.platform.startswith("linux") and "VmHWM" in _rss.status()
+
+
+@pytest.mark.skipif(not _has_hwm(), reason="needs Linux's VmHWM (gVisor's /proc has none)")
 def test_the_cpu_meter_sees_a_peak_that_is_gone_again():
     meter = _harness.Meter("cpu")
     held = meter.baseline()
@@ -33,8 +39,28 @@ def test_the_cpu_meter_sees_a_peak_that_is_gone_again():
     assert meter.now() - held < 32 << 20  # freed: its own mapping (or trimmed) leaves the RSS
 
 
-def test_device_auto_is_the_cpu_without_cuda():
-    assert _harness.device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="no CUDA device"):
-            _harness.device("cuda")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does")
+def test_without_cuda_auto_is_the_cpu_and_cuda_is_refused_plainly():
+    assert _harness.device("auto") == "cpu"
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        _harness.device("cuda")
+
+
+def test_each_rank_writes_its_own_result_and_run_reads_them_all(tmp_path, monkeypatch):
+    """Under torchrun every rank serves its result to a file of its own (their stdout interleaves)."""
+    import argparse
+    import json
+
+    out = str(tmp_path / "result.json")
+    for rank in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        args = argparse.Namespace(worker="w", result=out)
+        assert _harness.serve(args, lambda a: {"rank": int(os.environ["RANK"])}) == 0
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    for rank in (0, 1):
+        with open(_harness._result_path(out, rank, 2)) as f:
+            assert json.load(f) == {"rank": rank}
+    assert not os.path.exists(out)  # no single-process file when there are ranks
+    assert _harness.serve(argparse.Namespace(worker=None, result=out), lambda a: {}) is None  # the parent
