@@ -322,11 +322,13 @@ class PrefetchGathers:
     gather over the steps before it, adding their estimated time, until the read fits; never past
     the previous gather of the same graph (so at most the next few parameters are in flight), never
     across a graph. The gather becomes gather_from(p, fetch(p)); the fetched shard counts as memory
-    from the fetch on (`resident_bytes` on the fetch node)."""
+    from the fetch on (`resident_bytes` on the fetch node). With `room` (node -> the bytes free at
+    its step without the fetches, or None), a fetch holding memory spans only steps with room for
+    it: it starts later, or not at all where even its gather's step has none."""
 
     name: str = "prefetch-gathers"
 
-    def __call__(self, graph: fx.Graph, step_time, read_time, fetched_bytes) -> PassReport:
+    def __call__(self, graph: fx.Graph, step_time, read_time, fetched_bytes, room=None) -> PassReport:
         """step_time(node) -> seconds; read_time(nbytes) -> seconds; fetched_bytes(nbytes) -> the
         device bytes a fetched shard holds until its gather (0 when it lands off the device)."""
         from zinf_compile.runtime.ops import (fetch, fetch_rows, gather, gather_from, gather_rows, gather_rows_from,
@@ -342,6 +344,7 @@ class PrefetchGathers:
         last_placeholder = max((pos[n] for n in graph.find_nodes(op="placeholder")), default=0)
         changes = []
         floor = 0
+        held_back = 0  # fetches started later than the read needs, or not at all, for want of room
         for g in gathers:
             p = g.args[0]
             val = p.meta["val"]
@@ -349,8 +352,17 @@ class PrefetchGathers:
             if g.target is gather_rows:  # a tile: rows [start, end) of the weight
                 nbytes = nbytes // val.shape[0] * (g.args[4] - g.args[3])
             need, hidden, at = read_time(nbytes), 0.0, pos[g]
+            held = fetched_bytes(nbytes)
+
+            def fits(n) -> bool:
+                free = room(n) if room is not None and held else None
+                return free is None or free >= held
+
             floor = max(floor, pos[p], last_placeholder)
             while at - 1 > floor and hidden < need:
+                if not fits(nodes[at - 1]) or not fits(g):
+                    held_back += 1
+                    break
                 at -= 1
                 if nodes[at].op == "call_function":
                     hidden += step_time(nodes[at])
@@ -369,7 +381,10 @@ class PrefetchGathers:
             graph.erase_node(g)
             changes.append(f"fetch {h.meta['zinf']['name']} {pos[g] - at} nodes ahead")
         graph.lint()
-        return PassReport(self.name, tuple(changes), {"fetches": len(changes)} if changes else {})
+        counts = {"fetches": len(changes)} if changes else {}
+        if held_back:
+            counts["held back for room"] = held_back
+        return PassReport(self.name, tuple(changes), counts)
 
 
 def _fake_handle(val):

@@ -433,3 +433,28 @@ def test_plans_size_master_shards_in_the_master_dtype():
     g.output(p)
     mp = managed_params([fx.GraphModule(torch.nn.Module(), g)], world=2)[7]
     assert mp.nbytes == 128 * 256 * 2 and mp.shard_nbytes == 128 * 256 * 4 // 2
+
+
+def test_fetches_that_hold_memory_are_kept_where_the_budget_has_room(offload_root):
+    """With O_DIRECT a fetched shard is a buffer of the process until its gather. A wide first layer
+    leaves no room for one at its steps, the narrow layers after it do: fetching every shard ahead
+    breaks 14 MiB (15.2 MiB), so the planner fetches only where there is room instead of gathering
+    every shard just in time."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 2048), nn.GELU(), nn.Linear(2048, 256), nn.GELU(),
+                          *[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
+    x = torch.randn(512, 256)
+    with torch.no_grad():
+        want = model(x)
+    budget = 14 << 20
+    cm = torch.compile(model, backend="zinf", options={
+        "budget": budget, "offload": "nvme", "params": "offload", "o_direct": True,
+        "offload_dir": os.path.join(offload_root, "room")})
+    with torch.no_grad():
+        got = cm(x)
+    rec = zinf_compile.compiles()[-1]
+    counts = {k: v for r in rec.reports if r.name == "prefetch-gathers" for k, v in r.counts.items()}
+    assert counts.get("held back for room", 0) >= 1, counts
+    assert 1 <= rec.plan.action_counts().get("fetch", 0) < rec.plan.action_counts()["gather"], rec.plan.action_counts()
+    assert rec.plan.peak_after <= budget
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -144,8 +144,7 @@ class ZinfPartitioner(CustomPartitionerFn):
         # weights too large to gather whole: tiles (memory-centric tiling); NVMe shards fetched
         # ahead of their gathers, or when that breaks the budget, gathered just in time
         choices = _tile_choices(s, graphs, nfo) if managed else [{}]
-        prefetch = (lambda gs: _prefetch_gathers(s, [m.graph for m in gs.values()], recompile=gs)) \
-            if managed and s.tier == "nvme" else None
+        prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, nfo, aware)) if managed and s.tier == "nvme" else None
         graphs, _ = fit_tiled(graphs, choices, lambda gs, rep: plan_and_rewrite(s, gs, nfo, pre_reports=rep),
                               prefetch, reports)
         fw, bw = graphs["forward"], graphs["backward"]
@@ -196,8 +195,7 @@ class ZinfPostGrad(_PostGradPass):
                                                 s.engine_key, s.cfg.master_dtype) for n, info in chosen}
         reports = [InsertGathers()(wg, managed, recompute=False, world=s.world)]
         work["inference"].recompile()
-        prefetch = (lambda gs: _prefetch_gathers(s, [m.graph for m in gs.values()], recompile=gs)) \
-            if s.tier == "nvme" else None
+        prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, -1, aware)) if s.tier == "nvme" else None
         done, _ = fit_tiled(work, _tile_choices(s, work, -1), lambda gs, rep: plan_and_rewrite(s, gs, -1, rep),
                             prefetch, reports)
         _transplant(graph, done["inference"].graph)
@@ -329,12 +327,25 @@ def _shared_default_budget(device: str, n_world: int) -> int:
     return int(psutil.virtual_memory().total * 0.9) // max(1, local)
 
 
-def _prefetch_gathers(s: Session, graphs: list[fx.Graph], recompile: dict | None = None) -> list:
+def _prefetch_gathers(s: Session, graphs: dict[str, fx.GraphModule], nfo: int, aware: bool = False) -> list | None:
+    """Fetch the graphs' NVMe shards ahead of their gathers; `aware`: only over steps with room
+    for what a fetched shard holds (None when nothing would differ from fetching without it)."""
+    from zinf_compile.config import tier_frees_device
     from zinf_compile.cost import load_profile
+    from zinf_compile.pipeline import room_by_node
 
-    reports = prefetch_param_gathers(graphs, load_profile(s.cfg.profile, s.device), s.tier, s.device, s.world,
-                                     mapped=s.device == "cpu" and not s.cfg.o_direct)
-    for m in (recompile or {}).values():
+    profile = load_profile(s.cfg.profile, s.device)
+    mapped = s.device == "cpu" and not s.cfg.o_direct
+    room = None
+    if aware:
+        if mapped or tier_frees_device("cpu", s.device):
+            return None  # a fetched shard holds no device memory: room changes nothing
+        room = room_by_node(graphs, nfo, s.budget, s.cfg.budget_fraction, s.device, profile).get
+    reports = prefetch_param_gathers([m.graph for m in graphs.values()], profile, s.tier, s.device, s.world,
+                                     mapped=mapped, room=room)
+    if aware and not any(r.counts.get("held back for room") for r in reports):
+        return None
+    for m in graphs.values():
         m.recompile()
     return reports
 

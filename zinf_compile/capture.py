@@ -295,16 +295,19 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
         if how:  # a choice's last failure is the caller's to report
             tried.append(f"{what}, {', '.join(how)}: over budget")
 
-    return fit_tiled(graphs, choices, finish, (lambda gs: _prefetch_gathers(gs, tier, profile))
+    return fit_tiled(graphs, choices, finish,
+                     (lambda gs, aware: None if aware else _prefetch_gathers(gs, tier, profile))
                      if managed and tier == "nvme" else None, on_fail=failed)[1]
 
 
 def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:
-    """As the backend (one rank offline)."""
+    """As the backend (one rank offline; buffered I/O, the default: on a CPU target the gathers map
+    the files, and on a GPU a fetched shard lands in host memory, so no fetch holds device memory
+    and the room-aware variant has nothing to change)."""
     from zinf_compile.planner import prefetch_param_gathers
 
     reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device,
-                                     mapped=profile.device == "cpu")  # buffered I/O, the default
+                                     mapped=profile.device == "cpu")
     for gm in graphs.values():
         gm.recompile()
     return reports

@@ -90,13 +90,28 @@ def tile_choices(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, tiling
     return out
 
 
+def room_by_node(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget: int | None,
+                 budget_fraction: float | None, device: str, profile) -> dict[fx.Node, int]:
+    """Each step's node -> the budget less the bytes live there without any plan. A plan only
+    takes bytes away from that timeline (an offload frees a tensor for part of its life), so
+    whatever holds no more than this at a step keeps the step within the budget."""
+    facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
+    if budget_fraction is not None:
+        budget = int(facts.peak * budget_fraction)
+    if budget is None:
+        return {}
+    return {st.node: int(budget - facts.live[i]) for i, st in enumerate(facts.steps)}
+
+
 def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, prefetch=None, reports=(),
               on_fail=None):
     """Plan the first tiling in `choices` that fits: each tiles a copy of `graphs` (TileParams),
-    then, with `prefetch` (graphs -> reports: fetch shards ahead), tries fetching ahead on a copy
-    and else gathering just in time. attempt(graphs, reports) plans and raises BudgetError when
-    they do not fit; on_fail(tiles, fetched_ahead, error) hears of each failure. Returns (the
-    graphs planned, attempt's result); raises the last BudgetError."""
+    then, with `prefetch` (prefetch(graphs, aware) -> reports: fetch shards ahead), tries on a copy
+    fetching every shard as far ahead as hides its read; where that breaks the budget (a fetched
+    shard that holds device memory), fetching only over steps with room for it (aware=True; None
+    when that changes nothing); else gathering just in time. attempt(graphs, reports) plans and
+    raises BudgetError when they do not fit; on_fail(tiles, fetched_ahead, error) hears of each
+    failure. Returns (the graphs planned, attempt's result); raises the last BudgetError."""
     from zinf_compile.errors import BudgetError
     from zinf_compile.passes.tiling import TileParams
 
@@ -109,17 +124,26 @@ def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, p
             for gm in g.values():
                 done.append(TileParams()(gm.graph, tiles))
                 gm.recompile()
-        tries = [(g, done, False)]
-        if prefetch is not None:  # fetched ahead first, on a copy; just in time if that breaks the budget
+
+        def ahead(aware: bool, g=g, done=done):
             trial = copy_graphs(g)
-            tries.insert(0, (trial, done + prefetch(trial), True))
-        for gs, rep, ahead in tries:
+            rep = prefetch(trial, aware)
+            return None if rep is None else (trial, done + rep)
+
+        tries = [(lambda: (g, done), False)]
+        if prefetch is not None:  # on copies: the graphs just in time stay as they are
+            tries[:0] = [(lambda: ahead(False), True), (lambda: ahead(True), True)]
+        for make, fetched in tries:
+            made = make()
+            if made is None:
+                continue
+            gs, rep = made
             try:
                 return gs, attempt(gs, rep)
             except BudgetError as e:
                 err = e
                 if on_fail is not None:
-                    on_fail(tiles, ahead, e)
+                    on_fail(tiles, fetched, e)
     assert err is not None
     raise err
 

@@ -316,11 +316,13 @@ def _fewest(big: list, forced: list, need: int, nbytes) -> list:
 
 
 def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1,
-                           mapped: bool = False) -> list:
+                           mapped: bool = False, room=None) -> list:
     """Fetch NVMe shards ahead of their gathers in each fx.Graph, as far as the cost model says
     hides the read (PrefetchGathers); a CPU-tier shard is in host memory already: nothing to do.
     `mapped`: gathers map the shard's file (a CPU device, buffered I/O): a fetch only asks the
-    kernel to read ahead into its page cache, and holds no memory of the process until the gather."""
+    kernel to read ahead into its page cache, and holds no memory of the process until the gather.
+    `room`: node -> bytes free at its step (pipeline.room_by_node); a fetch that holds memory then
+    spans only steps with room for it."""
     if tier != "nvme":
         return []
     from zinf_compile.cost import step_cost
@@ -330,7 +332,7 @@ def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: st
     frees = tier_frees_device("cpu", device) or mapped  # the fetched shard lands in host memory
     return [PrefetchGathers()(g, lambda n: cost(n)[1],
                               lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
-                              lambda b: 0 if frees else -(-b // world)) for g in graphs]
+                              lambda b: 0 if frees else -(-b // world), room) for g in graphs]
 
 
 # -- memory-centric tiling ------------------------------------------------------------------------
