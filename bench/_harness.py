@@ -37,11 +37,11 @@ def as_argv(args, keys) -> list[str]:
 
 
 def run(module: str, name: str, argv: list[str], timeout: int, threads: int, count_files: bool = True,
-        worker: str | None = None, ranks: int = 1) -> list[dict]:
+        worker: str | None = None, ranks: int = 1, env_extra: dict | None = None) -> list[dict]:
     """Run contender `name` of `module` in fresh processes with their own swap folder: `worker`
-    (default `name`) in one process, or in `ranks` under torchrun (--standalone); the result of
-    each rank, with the processes' wall time and the files they left in that folder
-    (`count_files`)."""
+    (default `name`) in one process, or in `ranks` under torchrun (--standalone), with `env_extra`
+    set in their environment; the result of each rank, with the processes' wall time and the
+    files they left in that folder (`count_files`)."""
     tmp = tempfile.mkdtemp(prefix=f"zinf-{module.replace('.', '-')}-")
     out = os.path.join(tmp, "result.json")
     args = ["--worker", worker or name, "--offload-dir", os.path.join(tmp, "swap"), "--result", out, *argv]
@@ -51,7 +51,8 @@ def run(module: str, name: str, argv: list[str], timeout: int, threads: int, cou
     else:
         cmd = [sys.executable, "-m", module, *args]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env(threads), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env={**env(threads), **(env_extra or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     wall = time.perf_counter() - t0
     left = [f for _, _, fs in os.walk(os.path.join(tmp, "swap")) for f in fs] if count_files else []
     try:

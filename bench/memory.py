@@ -22,7 +22,8 @@ defaults, under which VmHWM also counts freed heap that glibc keeps resident).
 Writes <out>/memory.json (every run, the plans, the checks) and <out>/memory.png; exits 1 when a
 check fails.
 
-`python -m bench.memory --worker NAME ...` runs one contender and prints one JSON line.
+`python -m bench.memory --worker NAME ...` runs one contender and prints its result as JSON (the
+benchmark runs each through bench/_harness.py, which collects the result from a file).
 """
 from __future__ import annotations
 
@@ -32,14 +33,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from bench import _harness
+
 MiB = 2**20
 CONTENDERS = ("eager", "inductor", "zinf-nvme")
-MARK = "BENCH-MEMORY-RESULT "  # the worker's result line starts with this
 ZINF_LIMIT = 1.25  # zinf's growth / budget must be <= this
 EAGER_FLOOR = 2.0  # eager's growth / budget must be > this
 SAVED_FACTOR = 3.0  # saved activations must be >= this x the budget
@@ -252,33 +253,14 @@ def worker(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 # parent: run the contenders alternately, each in a fresh process; table, JSON, picture
 # ------------------------------------------------------------------------------------------------
-def _run_worker(name: str, args, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "bench.memory", "--worker", name,
-           "--steps", str(args.steps), "--budget", args.budget]
-    for k in DEFAULTS:
-        cmd += [f"--{k}", str(getattr(args, k))]
-    tmp = None
+def _run_worker(name: str, args, env_extra: dict) -> dict:
+    argv = ["--steps", str(args.steps), "--budget", args.budget, *_harness.as_argv(args, DEFAULTS)]
     if name == "zinf-nvme":
-        tmp = tempfile.mkdtemp(prefix="zinf-bench-")
-        cmd += ["--offload-dir", tmp]
         for opt in args.zinf_option or []:
-            cmd += ["--zinf-option", opt]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-4000:]
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"worker {name} failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(lines[-1][len(MARK):])
-    res["process_wall_s"] = wall
-    if tmp:
-        # the worker has exited: its swap folder must be gone (removed by close() / at exit)
-        res["offload_dir"] = tmp
-        res["files_left_after_exit"] = _files_under(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+            argv += ["--zinf-option", opt]
+    res = _harness.run("bench.memory", name, argv, int(args.timeout), args.threads, env_extra=env_extra)[0]
+    # the worker has exited: its swap folder must be empty (zinf removes its files at close / exit)
+    res["files_left_after_exit"] = res.pop("files_left")
     return res
 
 
@@ -362,7 +344,7 @@ def _draw(summary: dict, budget: int, path: str, title: str) -> None:
 
 
 def _env_for_workers(args) -> tuple[dict, dict]:
-    env = dict(os.environ)
+    """(what the workers' environment gets set, what of it changes the measurement: the record)."""
     extra = {}
     chosen = DEFAULT_MALLOC_ENV if args.malloc_env is None else args.malloc_env
     for kv in chosen:
@@ -372,14 +354,10 @@ def _env_for_workers(args) -> tuple[dict, dict]:
         if not sep or not k:
             raise SystemExit(f"--malloc-env: expected KEY=VALUE or 'none', got {kv!r}")
         extra[k] = v
-    env.update(extra)
+    env = dict(extra)
     # what the workers inherit besides: it changes the measurement, so it goes into the record
     extra.update({k: v for k, v in os.environ.items()
                   if (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES") and k not in extra})
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    # the repository root on the path, so `-m bench.memory` resolves from anywhere
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env, extra
 
 
@@ -504,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{k}", type=type(v), default=v, help=f"(default {v})")
     p.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--offload-dir", dest="offload_dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     return p
 
 
@@ -516,12 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         if own:
             args.offload_dir = tempfile.mkdtemp(prefix="zinf-bench-")
         try:
-            res = worker(args)
+            if args.result:
+                return _harness.serve(args, worker)
+            print(json.dumps(worker(args)), flush=True)  # run by hand
+            return 0
         finally:
             if own:
                 shutil.rmtree(args.offload_dir, ignore_errors=True)
-        print(MARK + json.dumps(res), flush=True)
-        return 0
     return parent(args)
 
 
