@@ -359,8 +359,9 @@ class PrefetchGathers:
                 return free is None or free >= held
 
             floor = max(floor, pos[p], last_placeholder)
+            room_at_gather = fits(g)  # the fetched shard and the gathered weight meet there
             while at - 1 > floor and hidden < need:
-                if not fits(nodes[at - 1]) or not fits(g):
+                if not room_at_gather or not fits(nodes[at - 1]):
                     held_back += 1
                     break
                 at -= 1

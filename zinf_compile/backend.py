@@ -146,7 +146,7 @@ class ZinfPartitioner(CustomPartitionerFn):
         choices = _tile_choices(s, graphs, nfo) if managed else [{}]
         prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, nfo, aware)) if managed and s.tier == "nvme" else None
         graphs, _ = fit_tiled(graphs, choices, lambda gs, rep: plan_and_rewrite(s, gs, nfo, pre_reports=rep),
-                              prefetch, reports)
+                              prefetch, reports, room_aware=_fetches_hold_memory(s))
         fw, bw = graphs["forward"], graphs["backward"]
         _take_over(s, [info for _, info in chosen])
         for m in (fw, bw):
@@ -197,7 +197,7 @@ class ZinfPostGrad(_PostGradPass):
         work["inference"].recompile()
         prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, -1, aware)) if s.tier == "nvme" else None
         done, _ = fit_tiled(work, _tile_choices(s, work, -1), lambda gs, rep: plan_and_rewrite(s, gs, -1, rep),
-                            prefetch, reports)
+                            prefetch, reports, room_aware=_fetches_hold_memory(s))
         _transplant(graph, done["inference"].graph)
         _take_over(s, [info for _, info in chosen])
 
@@ -327,22 +327,24 @@ def _shared_default_budget(device: str, n_world: int) -> int:
     return int(psutil.virtual_memory().total * 0.9) // max(1, local)
 
 
+def _fetches_hold_memory(s: Session) -> bool:
+    """Whether a shard fetched ahead is device memory until its gather: on a CPU device with
+    O_DIRECT files (buffered files are mapped at the gather; on a GPU the shard lands in host memory)."""
+    from zinf_compile.config import tier_frees_device
+
+    return not (s.device == "cpu" and not s.cfg.o_direct) and not tier_frees_device("cpu", s.device)
+
+
 def _prefetch_gathers(s: Session, graphs: dict[str, fx.GraphModule], nfo: int, aware: bool = False) -> list | None:
     """Fetch the graphs' NVMe shards ahead of their gathers; `aware`: only over steps with room
     for what a fetched shard holds (None when nothing would differ from fetching without it)."""
-    from zinf_compile.config import tier_frees_device
     from zinf_compile.cost import load_profile
     from zinf_compile.pipeline import room_by_node
 
     profile = load_profile(s.cfg.profile, s.device)
-    mapped = s.device == "cpu" and not s.cfg.o_direct
-    room = None
-    if aware:
-        if mapped or tier_frees_device("cpu", s.device):
-            return None  # a fetched shard holds no device memory: room changes nothing
-        room = room_by_node(graphs, nfo, s.budget, s.cfg.budget_fraction, s.device, profile).get
+    room = room_by_node(graphs, nfo, s.budget, s.cfg.budget_fraction, s.device, profile).get if aware else None
     reports = prefetch_param_gathers([m.graph for m in graphs.values()], profile, s.tier, s.device, s.world,
-                                     mapped=mapped, room=room)
+                                     mapped=s.device == "cpu" and not s.cfg.o_direct, room=room)
     if aware and not any(r.counts.get("held back for room") for r in reports):
         return None
     for m in graphs.values():

@@ -296,14 +296,14 @@ def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, 
             tried.append(f"{what}, {', '.join(how)}: over budget")
 
     return fit_tiled(graphs, choices, finish,
-                     (lambda gs, aware: None if aware else _prefetch_gathers(gs, tier, profile))
+                     (lambda gs, aware: _prefetch_gathers(gs, tier, profile))
                      if managed and tier == "nvme" else None, on_fail=failed)[1]
 
 
 def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:
     """As the backend (one rank offline; buffered I/O, the default: on a CPU target the gathers map
     the files, and on a GPU a fetched shard lands in host memory, so no fetch holds device memory
-    and the room-aware variant has nothing to change)."""
+    and fit_tiled makes no room-aware try)."""
     from zinf_compile.planner import prefetch_param_gathers
 
     reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device,

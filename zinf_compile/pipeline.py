@@ -104,12 +104,12 @@ def room_by_node(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget
 
 
 def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, prefetch=None, reports=(),
-              on_fail=None):
+              on_fail=None, room_aware: bool = False):
     """Plan the first tiling in `choices` that fits: each tiles a copy of `graphs` (TileParams),
     then, with `prefetch` (prefetch(graphs, aware) -> reports: fetch shards ahead), tries on a copy
-    fetching every shard as far ahead as hides its read; where that breaks the budget (a fetched
-    shard that holds device memory), fetching only over steps with room for it (aware=True; None
-    when that changes nothing); else gathering just in time. attempt(graphs, reports) plans and
+    fetching every shard as far ahead as hides its read; where that breaks the budget and a fetched
+    shard holds device memory (`room_aware`), fetching only over steps with room for it
+    (aware=True; None when that changes nothing); else gathering just in time. attempt(graphs, reports) plans and
     raises BudgetError when they do not fit; on_fail(tiles, fetched_ahead, error) hears of each
     failure. Returns (the graphs planned, attempt's result); raises the last BudgetError."""
     from zinf_compile.errors import BudgetError
@@ -132,7 +132,7 @@ def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, p
 
         tries = [(lambda: (g, done), False)]
         if prefetch is not None:  # on copies: the graphs just in time stay as they are
-            tries[:0] = [(lambda: ahead(False), True), (lambda: ahead(True), True)]
+            tries[:0] = [(lambda: ahead(False), True)] + [(lambda: ahead(True), True)] * room_aware
         for make, fetched in tries:
             made = make()
             if made is None:
