@@ -168,26 +168,35 @@ class Meter:
         return _rss.hwm()
 
 
+def engine_bytes() -> dict:
+    """Bytes zinf's offload engines have read and written in this process so far."""
+    from zinf_compile.runtime import engine
+
+    out = {"read": 0, "written": 0}
+    for e in engine._ENGINES.values():
+        out["read"] += e.stats["bytes_read"]
+        out["written"] += e.stats["bytes_written"]
+    return out
+
+
 def measure_steps(step, warmup: int, steps: int, meter: Meter | None = None) -> dict:
     """Run step() `warmup` times, then (memory read and its peak reset: `meter`, VmRSS by default)
     `steps` times timed. Returns the losses step() returned (a float: it waits for the device), the
     warm-up and step times, the memory held after the warm-up, the peak over the timed steps and
     the bytes zinf's engines moved per timed step."""
-    from bench.params import _engine_bytes
-
     meter = meter or Meter("cpu")
     losses, warm, times = [], [], []
     for _ in range(warmup):
         t0 = time.perf_counter()
         losses.append(step())
         warm.append(time.perf_counter() - t0)
-    engines = _engine_bytes()
+    engines = engine_bytes()
     after_warmup = meter.baseline()
     for _ in range(steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
     peak = meter.peak()
-    moved = {k: (v - engines.get(k, 0)) / max(1, steps) for k, v in _engine_bytes().items()}
+    moved = {k: (v - engines.get(k, 0)) / max(1, steps) for k, v in engine_bytes().items()}
     return dict(losses=losses, warmup_s=warm, step_s=times, held_after_warmup=after_warmup, peak=peak,
                 moved_per_step=moved)

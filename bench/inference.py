@@ -42,7 +42,7 @@ import tempfile
 import time
 
 from bench import _harness
-from bench.params import _bandwidth, _engine_bytes, _machine, _median
+from bench.params import _bandwidth, _machine, _median
 
 MiB = 2**20
 CONTENDERS = ("eager", "inductor", "zinf", "zinf-stream", "accelerate")
@@ -65,11 +65,7 @@ def _model(args):
 
 
 def worker(args) -> dict:
-    import gc
-
     import torch
-
-    from bench import _rss
 
     torch.set_num_threads(args.threads)
     import accelerate  # noqa: F401  (every contender imports the same before the baseline)
@@ -79,9 +75,7 @@ def worker(args) -> dict:
 
     dev = _harness.device(args.device)
     meter = _harness.Meter(dev)
-    gc.collect()
-    _rss.trim()
-    base = meter.now()
+    base = meter.now()  # after a gc (and a heap trim on a CPU)
     model, ids = _model(args)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(weights * args.budget_share)
@@ -112,7 +106,7 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     logits = forward()
     warm = time.perf_counter() - t0
-    engines = _engine_bytes()
+    engines = _harness.engine_bytes()
     after_warmup = meter.baseline()
     times = []
     for _ in range(args.forwards):
@@ -120,7 +114,7 @@ def worker(args) -> dict:
         forward()
         times.append(time.perf_counter() - t0)
     peak = meter.peak()
-    moved = {k: (v - engines.get(k, 0)) / args.forwards for k, v in _engine_bytes().items()}
+    moved = {k: (v - engines.get(k, 0)) / args.forwards for k, v in _harness.engine_bytes().items()}
     out = dict(contender=args.worker, device=dev, base=base, held_after_warmup=after_warmup, peak=peak, peak_over_base=peak - base,
                forward_s=times, warmup_s=warm, weights=weights, budget=budget, moved_per_forward=moved,
                logits_head=logits.reshape(-1)[:4096].cpu().tolist(), logits_absmax=float(logits.abs().max()))

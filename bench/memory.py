@@ -367,22 +367,19 @@ def parent(args) -> int:
     budget = parse_bytes(args.budget)
     env, extra = _env_for_workers(args)
     names = [c for c in args.contenders.split(",") if c]
-    for n in names:
-        if n not in CONTENDERS:
-            raise SystemExit(f"unknown contender {n!r}; expected some of {', '.join(CONTENDERS)}")
     if "eager" not in names:
         names.insert(0, "eager")  # eager measures the saved activations and is the reference
-    runs: list[dict] = []
+    done: dict[str, int] = {}
+
+    def run_one(name: str) -> list[dict]:
+        res = _run_worker(name, args, env)
+        res["repeat"] = done[name] = done.get(name, -1) + 1
+        print(f"  growth {res['growth'] / MiB:7.1f} MiB ({res['growth'] / budget:.2f}x budget), "
+              f"steps {', '.join(f'{s:.2f}' for s in res['step_s'])} s", flush=True)
+        return [res]
+
     t0 = time.perf_counter()
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate: no contender always first
-        for name in order:
-            res = _run_worker(name, args, env)
-            res["repeat"] = r
-            runs.append(res)
-            print(f"  [{r + 1}/{args.repeats}] {name:10s} growth {res['growth'] / MiB:7.1f} MiB "
-                  f"({res['growth'] / budget:.2f}x budget), steps {', '.join(f'{s:.2f}' for s in res['step_s'])} s",
-                  flush=True)
+    runs = _harness.alternate(names, CONTENDERS, args.repeats, run_one)
     total = time.perf_counter() - t0
     saved = max(r["saved_activation_bytes"] for r in runs if r["contender"] == "eager")
     assert saved >= SAVED_FACTOR * budget, (

@@ -149,16 +149,6 @@ def worker(args) -> dict:
     return result
 
 
-def _engine_bytes() -> dict:
-    from zinf_compile.runtime import engine
-
-    out = {"read": 0, "written": 0}
-    for e in engine._ENGINES.values():
-        out["read"] += e.stats["bytes_read"]
-        out["written"] += e.stats["bytes_written"]
-    return out
-
-
 def _bandwidth(folder: str, mib: int = 256) -> dict:
     """Write then read `mib` MiB with positional I/O in 16 MiB chunks in `folder` (as zinf does)."""
     import numpy as np

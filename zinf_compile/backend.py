@@ -327,12 +327,15 @@ def _shared_default_budget(device: str, n_world: int) -> int:
     return int(psutil.virtual_memory().total * 0.9) // max(1, local)
 
 
-def _fetches_hold_memory(s: Session) -> bool:
-    """Whether a shard fetched ahead is device memory until its gather: on a CPU device with
-    O_DIRECT files (buffered files are mapped at the gather; on a GPU the shard lands in host memory)."""
-    from zinf_compile.config import tier_frees_device
+def _maps_files(s: Session) -> bool:
+    """Gathers map the shard files: a CPU device with buffered (not O_DIRECT) files."""
+    return s.device == "cpu" and not s.cfg.o_direct
 
-    return not (s.device == "cpu" and not s.cfg.o_direct) and not tier_frees_device("cpu", s.device)
+
+def _fetches_hold_memory(s: Session) -> bool:
+    from zinf_compile.planner import fetch_holds_device_memory
+
+    return fetch_holds_device_memory(s.device, _maps_files(s))
 
 
 def _prefetch_gathers(s: Session, graphs: dict[str, fx.GraphModule], nfo: int, aware: bool = False) -> list | None:
@@ -344,7 +347,7 @@ def _prefetch_gathers(s: Session, graphs: dict[str, fx.GraphModule], nfo: int, a
     profile = load_profile(s.cfg.profile, s.device)
     room = room_by_node(graphs, nfo, s.budget, s.cfg.budget_fraction, s.device, profile).get if aware else None
     reports = prefetch_param_gathers([m.graph for m in graphs.values()], profile, s.tier, s.device, s.world,
-                                     mapped=s.device == "cpu" and not s.cfg.o_direct, room=room)
+                                     mapped=_maps_files(s), room=room)
     if aware and not any(r.counts.get("held back for room") for r in reports):
         return None
     for m in graphs.values():

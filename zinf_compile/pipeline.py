@@ -109,9 +109,10 @@ def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, p
     then, with `prefetch` (prefetch(graphs, aware) -> reports: fetch shards ahead), tries on a copy
     fetching every shard as far ahead as hides its read; where that breaks the budget and a fetched
     shard holds device memory (`room_aware`), fetching only over steps with room for it
-    (aware=True; None when that changes nothing); else gathering just in time. attempt(graphs, reports) plans and
-    raises BudgetError when they do not fit; on_fail(tiles, fetched_ahead, error) hears of each
-    failure. Returns (the graphs planned, attempt's result); raises the last BudgetError."""
+    (aware=True; None when that changes nothing); else gathering just in time.
+    attempt(graphs, reports) plans and raises BudgetError when they do not fit; on_fail(tiles,
+    fetched_ahead, error) hears of each failure. Returns (the graphs planned, attempt's result);
+    raises the last BudgetError."""
     from zinf_compile.errors import BudgetError
     from zinf_compile.passes.tiling import TileParams
 

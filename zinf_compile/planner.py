@@ -315,6 +315,13 @@ def _fewest(big: list, forced: list, need: int, nbytes) -> list:
     return [c for c in big if c in chosen]
 
 
+def fetch_holds_device_memory(device: str, mapped: bool) -> bool:
+    """Whether an NVMe shard fetched ahead is device memory until its gather: not where the gather
+    maps the file (`mapped`: a CPU device, buffered I/O; the fetch is the kernel's read-ahead), nor
+    on a GPU (the shard lands in host memory); so only on a CPU device with O_DIRECT files."""
+    return not (mapped or tier_frees_device("cpu", device))
+
+
 def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1,
                            mapped: bool = False, room=None) -> list:
     """Fetch NVMe shards ahead of their gathers in each fx.Graph, as far as the cost model says
@@ -329,10 +336,10 @@ def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: st
     from zinf_compile.passes.params import PrefetchGathers
 
     cost = step_cost(profile)
-    frees = tier_frees_device("cpu", device) or mapped  # the fetched shard lands in host memory
+    holds = fetch_holds_device_memory(device, mapped)
     return [PrefetchGathers()(g, lambda n: cost(n)[1],
                               lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
-                              lambda b: 0 if frees else -(-b // world), room) for g in graphs]
+                              lambda b: -(-b // world) if holds else 0, room) for g in graphs]
 
 
 # -- memory-centric tiling ------------------------------------------------------------------------
