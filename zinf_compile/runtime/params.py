@@ -1,7 +1,10 @@
 """The parameter store: ZeRO-3 shards of the parameters zinf manages, in their home tier.
 
-A managed parameter keeps its Python object, shape, dtype, device and requires_grad (Dynamo's
-guards see nothing change) but its storage is freed (`untyped_storage().resize_(0)`). Its data lives
+A managed parameter keeps its Python object, shape, stride, dtype, device and requires_grad (Dynamo's
+guards see nothing change) but its storage is freed (`untyped_storage().resize_(0)`). A storage that
+cannot be resized (a memory-mapped file, as `from_pretrained` loads safetensors; a numpy array's
+memory) is first swapped for a resizable one of the parameter's own (`_own_storage`): the original
+is never written, and its memory goes when its last other user lets it go. Its data lives
 here as this rank's shard: the flattened parameter, padded to a multiple of the world size, split in
 equal parts. The compiled graph reads a managed parameter only through `zinf::gather`, and hands its
 gradient to `zinf::reduce_grad`, which reduce-scatters it into the shard's gradient.
@@ -11,7 +14,8 @@ A shard's gradient lives in the same tier (ZeRO-Infinity keeps gradients in host
 device host memory *is* the device, so the NVMe tier keeps gradients in files too).
 
 Entries are found from any alias of the parameter through its storage: autograd and AOT may hand
-the graph a different tensor object over the same storage, never a different storage.
+the graph a different tensor object over the same storage, never a different storage. (A storage
+swapped at take-over is re-keyed: aliases made of the old one before, if any, are not found.)
 """
 from __future__ import annotations
 
@@ -38,6 +42,32 @@ def world() -> tuple[int, int]:
 
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def _exclusive(t: torch.Tensor) -> bool:
+    """Whether `t` alone covers its storage (freeing the storage frees nothing else)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill exactly numel * itemsize bytes from its first (no gaps, no
+    overlap): what a storage of its own, of that size, holds under the same strides."""
+    return t.numel() == 0 or bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
+
+
+def take_over_refusal(t: torch.Tensor) -> str | None:
+    """Why the store cannot take `t` over (None: it can). A resizable storage shared with other
+    tensors is refused: freeing it would free them too, and giving `t` a storage of its own would
+    silently end an aliasing the user made (tied views). A storage that cannot be resized (a
+    mapped file, numpy memory) is not the user's aliasing but a loader's: `t` gets its own."""
+    if t.untyped_storage().resizable():
+        if not _exclusive(t):
+            return "shares its storage with other tensors; freeing it would free them too, so it stays resident"
+        return None
+    if not _dense(t):
+        return ("is a strided view with gaps in a storage zinf cannot resize; give it a dense copy of its own "
+                "(p.data = p.data.contiguous().clone()) before compiling")
+    return None
 
 
 @dataclass
@@ -277,6 +307,7 @@ class ParamStore:
         self._ids: dict[int, int] = {}  # storage key -> pid
         self._params: dict[int, weakref.ref] = {}  # pid -> parameter
         self._names: dict[int, str] = {}
+        self._keys: dict[int, int] = {}  # pid -> storage key (changes when manage swaps a storage)
         self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
         self._lock = threading.RLock()
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
@@ -296,14 +327,16 @@ class ParamStore:
             if pid is None:
                 pid = len(self._params)
                 self._ids[k] = pid
+                self._keys[pid] = k
                 self._params[pid] = weakref.ref(param)
                 self._names[pid] = name
-                weakref.finalize(param, self._forget_id, k, pid)
+                weakref.finalize(param, self._forget_id, pid)
             return pid
 
-    def _forget_id(self, k: int, pid: int) -> None:
+    def _forget_id(self, pid: int) -> None:
         with self._lock:
-            if self._ids.get(k) == pid:
+            k = self._keys.pop(pid, None)
+            if k is not None and self._ids.get(k) == pid:
                 del self._ids[k]
             e = self._entries.pop(pid, None)
         if e is not None:
@@ -338,9 +371,9 @@ class ParamStore:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
             if param.untyped_storage().nbytes() < param.numel() * param.element_size():
                 raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
-            if param.storage_offset() != 0 or param.untyped_storage().nbytes() != param.numel() * param.element_size():
-                raise ZinfError(f"zinf: parameter {name!r} shares its storage with other tensors; freeing it "
-                                "would free them too, so it stays resident")
+            refusal = take_over_refusal(param)
+            if refusal is not None:
+                raise ZinfError(f"zinf: parameter {name!r} {refusal}")
             rank, size = world()
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
@@ -351,17 +384,48 @@ class ParamStore:
                 e.close_files()
                 raise
             self._entries[pid] = e  # before the storage goes: a parameter is never freed unmanaged
+            swapped = False
             try:
+                if not param.untyped_storage().resizable():
+                    self._own_storage(pid, param)
+                    swapped = True
                 param.untyped_storage().resize_(0)
-            except BaseException:  # nor managed while whole
-                del self._entries[pid]
-                e.close_files()
+            except BaseException as err:  # nor managed while whole
+                try:
+                    if swapped:  # its new storage holds no values yet: they come from the shard
+                        param.untyped_storage().resize_(e.nbytes)
+                        with torch.no_grad():
+                            param.copy_(self.full(e))
+                finally:
+                    del self._entries[pid]
+                    e.close_files()
+                if isinstance(err, RuntimeError):
+                    raise ZinfError(f"zinf: parameter {name!r}: its storage cannot be freed ({err}); give it a "
+                                    "storage of its own before compiling (p.data = p.data.clone()) or keep it "
+                                    "resident (options={'params': 'resident'})") from err
                 raise
             if param.grad is not None:
                 # a gradient accumulated while the parameter was resident joins the shard's
                 grad, param.grad = param.grad, None
                 self.reduce_grad(param, grad, average=False)
             return e
+
+    def _own_storage(self, pid: int, param: torch.Tensor) -> None:
+        """Give `param` a fresh resizable storage of its own, same shape, stride and offset 0, in
+        place of one that cannot be resized (the shard is already written: the new storage's bytes
+        are never read before it is freed). The Python object, its size, stride, dtype, device
+        and requires_grad stay, so Dynamo's guards still pass (it does not guard data_ptr); the old
+        storage is let go untouched. The store's key for `param` follows its storage."""
+        old = _key(param)
+        fresh = torch.UntypedStorage(param.numel() * param.element_size(), device=param.device)
+        with torch.no_grad():  # in place on the parameter itself: the same object, everywhere
+            param.set_(fresh, 0, param.shape, param.stride())
+        with self._lock:
+            if self._ids.get(old) == pid:
+                del self._ids[old]
+            k = _key(param)
+            self._ids[k] = pid
+            self._keys[pid] = k
 
     def release_id(self, pid: int) -> None:
         param = self._params.get(pid, lambda: None)()
@@ -389,9 +453,10 @@ class ParamStore:
         reach the graph's gathers still whole."""
         e = self.entry(t)
         if e is None:
-            if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                raise ZinfError("zinf: a compiled graph gathers a parameter that shares its storage with other "
-                                "tensors (another instance of the model?); zinf cannot take it over")
+            refusal = take_over_refusal(t)
+            if refusal is not None:
+                raise ZinfError(f"zinf: a compiled graph gathers a parameter that {refusal} (another instance "
+                                "of the model?); zinf cannot take it over")
             tier, _, master = tier.partition(",")
             with torch.no_grad():
                 e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key,
