@@ -8,8 +8,9 @@ and backward (what `zinf plan` does: nothing is allocated) and times, on the cap
 
     analyse + plan   facts (timeline, gaps, lower bound) and the plan, under a budget of
                      `budget-share` x the unplanned peak (so the planner has offloads to choose)
-    with params      plan_captured(params="auto") under the same budget: the parameter choice
-                     (resident, then the fewest, then all), partitions, gathers and plans included
+    with params      plan_offline(params="auto") under the same budget: the whole pipeline (gathers
+                     for every candidate, one partition, the planner's decisions, every pass and
+                     its verification), without the capture it runs inside
 
 For the smallest depths (`--inductor-layers`) another fresh process compiles the same model, for
 real, with Inductor (torch.compile, forward+backward of one step) and times that: what planning
@@ -55,14 +56,13 @@ def worker(args) -> dict:
         first = time.perf_counter() - t0
         return dict(layers=args.n, inductor_s=first - eager, eager_step_s=eager)
 
-    from zinf_compile.capture import plan_captured, trace
+    from zinf_compile.analysis import analyze, graph_specs
+    from zinf_compile.capture import plan_offline, trace
     from zinf_compile.cost import load_profile, step_cost
-    from zinf_compile.analysis.facts import analyze
-    from zinf_compile.pipeline import graph_specs
     from zinf_compile.planner import make_plan
 
     t0 = time.perf_counter()
-    c = trace(build, kwargs, keep_joint=True)
+    c = trace(build, kwargs)
     capture = time.perf_counter() - t0
     nodes = sum(len(g.graph.nodes) for g in c.graphs.values())
     profile = load_profile("cpu")
@@ -73,13 +73,14 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     plan = make_plan(facts, budget, profile, "nvme")
     planned = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    full = plan_captured(c, budget, profile, "nvme", params="auto")
-    with_params = time.perf_counter() - t0
+    # with parameters: the whole pipeline (gathers for every candidate, one partition, the planner's
+    # decisions, every pass applied and verified), timed without the capture it runs inside
+    full = plan_offline(build, kwargs, budget, profile, "nvme", params="auto")
+    with_params = sum(full.seconds.values())
     return dict(layers=args.n, nodes=nodes, steps=len(facts.steps), buffers=len(facts.buffers), gaps=len(facts.gaps),
                 capture_s=capture, analyse_s=analysed, plan_s=planned, plan_total_s=analysed + planned,
                 with_params_s=with_params, budget=budget, peak_before=plan.peak_before, peak_after=plan.peak_after,
-                offloads=len(plan.moves()) // 3, managed=len(full.plan.params), tried=list(full.tried))
+                offloads=len(plan.moves()) // 3, managed=len(full.plan.params), decisions=[n for n in full.plan.notes if n.startswith(('parameters', 'tiles'))])
 
 
 def _run(kind: str, n: int, args) -> dict:

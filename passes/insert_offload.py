@@ -9,30 +9,27 @@ brings it back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from .base import PassContext, PassReport
+from zinf_compile import ir
+from zinf_compile.ir import MoveMeta, output_node
 from zinf_compile.runtime import ops
 
-ZINF_META = "zinf"
+from .base import Graphs, Pass, PassContext
 
 
 def _fake(fn, *args):
-    mode = detect_fake_mode([a for a in args if isinstance(a, torch.Tensor)])
-    if mode is None:
-        return fn(*args)
-    with mode:
+    with ir.fake_mode_of(*args):
         return fn(*args)
 
 
 @dataclass(frozen=True)
-class InsertOffloads:
-    name: str = "insert-offloads"
+class InsertOffloads(Pass):
+    name: ClassVar[str] = "insert-offloads"
 
-    def __call__(self, ctx: PassContext) -> PassReport:
+    def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
         gaps = {(g.buffer, g.after, g.before): g for g in ctx.facts.gaps}
         groups: dict[int, dict[str, object]] = {}
         for a in ctx.plan.moves():
@@ -48,31 +45,33 @@ class InsertOffloads:
             val = target.meta["val"]
             order = list(gap.dim_order)
             device = val.device
-            meta = {"group": group, "buffer": gap.buffer, "tier": off.tier}
+
+            def meta(kind, group=group, gap=gap, off=off):
+                return MoveMeta(kind, group, gap.buffer, off.tier)
 
             with source.graph.inserting_after(ctx.step_node(off.step)):
                 h = source.graph.call_function(ops.offload, (source, ctx.engine_key, order))
             h.meta["val"] = _fake(ops.offload, source.meta["val"], ctx.engine_key, order)
-            h.meta[ZINF_META] = {**meta, "kind": "offload"}
+            ir.mark(h, meta("offload"))
 
             graph = target.graph
             if source.graph is not graph:
                 # saved for backward: the forward returns the handle, the backward receives it
-                out = next(iter(source.graph.find_nodes(op="output")))
+                out = output_node(source.graph)
                 out.args = fx.node.map_arg(out.args, lambda n: h if n is source else n)
                 incoming = target
                 incoming.meta["val"] = h.meta["val"]
-                incoming.meta[ZINF_META] = {**meta, "kind": "handle"}
+                ir.mark(incoming, meta("handle"))
             else:
                 incoming = h
             with graph.inserting_before(ctx.step_node(pre.step)):
                 h2 = graph.call_function(ops.prefetch, (incoming, ctx.engine_key, device))
             h2.meta["val"] = _fake(ops.prefetch, incoming.meta["val"], ctx.engine_key, device)
-            h2.meta[ZINF_META] = {**meta, "kind": "prefetch"}
+            ir.mark(h2, meta("prefetch"))
             with graph.inserting_before(ctx.step_node(wai.step)):
                 y = graph.call_function(ops.wait, (h2, ctx.engine_key, val.dtype, device, order))
             y.meta["val"] = _fake(ops.wait, h2.meta["val"], ctx.engine_key, val.dtype, device, order)
-            y.meta[ZINF_META] = {**meta, "kind": "wait"}
+            ir.mark(y, meta("wait"))
             # every later use reads the waited tensor
             later = ctx.facts.step_of
             for user in list(target.users):
@@ -84,8 +83,5 @@ class InsertOffloads:
             ctx.inserted[group] = {"offload": h, "prefetch": h2, "wait": y}
             changes.append(f"{source.name}: offload after step {off.step}, prefetch before {pre.step}, "
                            f"wait before {wai.step} ({off.tier}, {off.nbytes} bytes)")
-        for gm in ctx.graphs.values():
-            gm.graph.lint()
-            gm.recompile()
         n = len(changes)
-        return PassReport(self.name, tuple(changes), {"offload": n, "prefetch": n, "wait": n} if n else {})
+        return self.report(changes, offload=n, prefetch=n, wait=n)

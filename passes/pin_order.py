@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -25,7 +26,7 @@ try:
 except ImportError:  # an older torch without control_deps: the order rests on data dependencies
     preserve_node_ordering = None
 
-from .base import PassReport
+from .base import Graphs, Pass, PassContext, PassReport
 
 HEAVY = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -41,10 +42,14 @@ def _is_zinf(n: fx.Node) -> bool:
 
 
 @dataclass(frozen=True)
-class PinOrder:
-    name: str = "pin-order"
+class PinOrder(Pass):
+    name: ClassVar[str] = "pin-order"
 
-    def __call__(self, graph: fx.Graph) -> PassReport:
+    def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
+        return self.pin(next(iter(graphs.values())).graph)
+
+    def pin(self, graph: fx.Graph) -> PassReport:
+        """Pin one graph (Inductor's post-grad hook hands over an fx.Graph)."""
         nodes = list(graph.nodes)
         if not any(_is_zinf(n) for n in nodes):
             return PassReport(self.name, (), {})

@@ -2,7 +2,7 @@
 
 A matmul that reads a managed parameter gathered whole needs the whole weight on the device at
 once, and the one that computes its gradient makes a whole weight-sized gradient. When that does
-not fit the budget next to what must stay live, TileParams splits both along the weight's rows (its
+not fit the budget next to what must stay live, TileMatmuls splits both along the weight's rows (its
 first dimension: a contiguous range of the shard, read from the tier without the rest):
 
     forward   y  = x  @ W.T    split N   tiles concatenated              (exact per element)
@@ -10,7 +10,7 @@ first dimension: a contiguous range of the shard, read from the tier without the
     grad W    gW = gy.T @ x    split M   each tile to reduce_grad_rows   (never whole)
 
 Each tile reads `gather_rows(p, start, end)` right before its matmul; Inductor frees it after;
-PrefetchGathers then fetches the next tile's rows ahead, under the current tile's compute. An
+FetchAhead (the plan's fetches) then reads the next tile's rows ahead, under the current tile's compute. An
 operand split along M or N of the *other* operand never shrinks the weight, so the split axis of
 each matmul is the one that splits the weight's rows; the planner chooses how many tiles.
 
@@ -18,13 +18,16 @@ each matmul is the one that splits the weight's rows; the planner chooses how ma
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 
-from .base import PassReport
+from zinf_compile import ir
+from zinf_compile.ir import GatherMeta, ReduceMeta, TileMeta, emit
+
+from .base import Graphs, Pass, PassContext
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
@@ -44,18 +47,7 @@ def split_bounds(n: int, count: int) -> list[tuple[int, int]]:
     return out
 
 
-def _emit(graph: fx.Graph, target, args, kwargs=None) -> fx.Node:
-    """A call_function node with its fake value computed from its inputs'."""
-    from torch._guards import detect_fake_mode
-
-    kwargs = kwargs or {}
-    n = graph.call_function(target, tuple(args), kwargs)
-    fargs, fkwargs = fx.node.map_arg((tuple(args), kwargs), lambda a: a.meta["val"])
-    vals = [a for a in fx.node.map_aggregate(fargs, lambda a: a) if isinstance(a, torch.Tensor)]
-    mode = detect_fake_mode(vals)
-    with mode if mode is not None else contextlib.nullcontext():
-        n.meta["val"] = target(*fargs, **fkwargs)
-    return n
+_emit = emit  # every tile node is made with its fake value
 
 
 def _operands(node: fx.Node):
@@ -72,7 +64,7 @@ def _slice(graph, x: fx.Node, dim: int, s: int, e: int) -> fx.Node:
 
 def tile_matmul(graph: fx.Graph, node: fx.Node, axis: str, bounds: list[tuple[int, int]],
                 a_tiles: list | None = None, b_tiles: list | None = None, combine: bool = True,
-                tag: dict | None = None) -> list[fx.Node]:
+                pid: int | None = None, grad: bool = False) -> list[fx.Node]:
     """Rewrite the mm/addmm/bmm `node` into one matmul per range of `bounds` along `axis`:
     M (rows of a and of the result), N (columns of b and of the result) or K (the contraction).
     `a_tiles`/`b_tiles`: make(i, start, end) -> the node to use as that operand's i-th tile instead
@@ -123,8 +115,7 @@ def tile_matmul(graph: fx.Graph, node: fx.Node, axis: str, bounds: list[tuple[in
                 acc = part if acc is None else _emit(graph, aten.add.Tensor, (acc, part))
                 tiles.append(acc)
         for i, y in enumerate(tiles):
-            y.meta["zinf_tile"] = {**(tag or {}), "op": node.name, "target": kind, "axis": axis, "index": i,
-                                   "count": len(bounds), "range": tuple(bounds[i])}
+            ir.mark(y, TileMeta(node.name, kind, axis, i, len(bounds), tuple(bounds[i]), pid, grad))
         if not combine:
             return tiles
         if axis in ("M", "N"):
@@ -206,11 +197,6 @@ def grad_source(r: fx.Node) -> tuple[fx.Node, str, list] | None:
     return v, ("M" if flips % 2 == 0 else "N"), casts
 
 
-def _param_of(n: fx.Node) -> fx.Node | None:
-    return next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("zinf", {}).get("kind") == "param"),
-                None)
-
-
 @dataclass(frozen=True)
 class Candidate:
     """A managed parameter whose matmuls tiling can split (read off one graph)."""
@@ -223,6 +209,8 @@ class Candidate:
     grads: tuple = field(default=())  # matmul nodes computing its whole gradient
     others: tuple = field(default=())  # names of other readers of the whole gather (they keep it)
     k_bytes: int = 0  # output bytes of its uses split along K: each tile re-reads and re-writes them
+    shape: tuple[int, ...] = ()  # the weight's
+    axes: tuple = field(default=())  # (matmul node, the axis that splits the weight's rows) per use and grad
 
 
 def candidates(graph: fx.Graph) -> dict[int, Candidate]:
@@ -234,12 +222,13 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
     found: dict[int, dict] = {}
 
     def slot(p: fx.Node) -> dict | None:
-        val, z = p.meta.get("val"), p.meta.get("zinf", {})
-        if not isinstance(val, torch.Tensor) or val.dim() != 2 or z.get("kind") != "param":
+        val, z = p.meta.get("val"), ir.param(p)
+        if not isinstance(val, torch.Tensor) or val.dim() != 2 or z is None:
             return None
-        return found.setdefault(z["pid"], {"pid": z["pid"], "name": z["name"], "rows": int(val.shape[0]),
+        return found.setdefault(z.pid, {"pid": z.pid, "name": z.name, "rows": int(val.shape[0]),
                                            "nbytes": int(val.numel()) * val.element_size(),
-                                           "uses": [], "grads": [], "others": [], "k_bytes": 0})
+                                           "uses": [], "grads": [], "others": [], "k_bytes": 0,
+                                           "shape": tuple(int(x) for x in val.shape), "axes": []})
 
     for g in graph.find_nodes(op="call_function", target=gather):
         c = slot(g.args[0])
@@ -247,6 +236,7 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
             continue
         uses = weight_uses(g)
         c["uses"] += [m for m, _, _ in uses]
+        c["axes"] += [(m, axis) for m, _, axis in uses]
         c["k_bytes"] += sum(int(tensor_nbytes(m.meta["val"])) for m, _, axis in uses if axis == "K")
         reached = {v for _, v, _ in uses}
         c["others"] += [u.name for v in [g, *reached] for u in v.users
@@ -257,25 +247,51 @@ def candidates(graph: fx.Graph) -> dict[int, Candidate]:
         src = grad_source(r) if c is not None else None
         if src is not None:
             c["grads"].append(src[0])
+            c["axes"].append((src[0], src[1]))
     return {pid: Candidate(c["pid"], c["name"], c["rows"], c["nbytes"], tuple(c["uses"]), tuple(c["grads"]),
-                           tuple(c["others"]), c["k_bytes"]) for pid, c in found.items() if c["uses"] or c["grads"]}
+                           tuple(c["others"]), c["k_bytes"], c["shape"], tuple(c["axes"]))
+            for pid, c in found.items() if c["uses"] or c["grads"]}
+
+
+def merged_candidates(graphs) -> dict[int, Candidate]:
+    """`candidates` of several graphs (the forward's uses and the backward's), merged per weight."""
+    import dataclasses
+
+    out: dict[int, Candidate] = {}
+    for gm in graphs:
+        for pid, c in candidates(gm.graph).items():
+            out[pid] = c if pid not in out else dataclasses.replace(
+                out[pid], uses=out[pid].uses + c.uses, grads=out[pid].grads + c.grads,
+                others=out[pid].others + c.others, k_bytes=out[pid].k_bytes + c.k_bytes,
+                axes=out[pid].axes + c.axes)
+    return out
 
 
 @dataclass(frozen=True)
-class TileParams:
-    """Split the matmuls of each parameter in `tiles` (pid -> row ranges) tile by tile: the
-    weight's rows gathered per tile, the gradient's rows reduced per tile (module docstring)."""
+class TileMatmuls(Pass):
+    """Split the matmuls of each parameter in `tiles` ((pid, row ranges), from the plan) tile by
+    tile: the weight's rows gathered per tile, the gradient's rows reduced per tile."""
 
-    name: str = "tile-matmuls"
+    name: ClassVar[str] = "tile-matmuls"
+    tiles: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
-    def __call__(self, graph: fx.Graph, tiles: dict[int, list[tuple[int, int]]]) -> PassReport:
+    def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
+        changes, n_tiles = [], 0
+        for gm in graphs.values():
+            c, n = self._tile(gm.graph, {pid: list(b) for pid, b in self.tiles})
+            changes += c
+            n_tiles += n
+        return self.report(changes, tiles=n_tiles)
+
+    @staticmethod
+    def _tile(graph: fx.Graph, tiles: dict[int, list[tuple[int, int]]]) -> tuple[list[str], int]:
         from zinf_compile.runtime.ops import gather, gather_rows, reduce_grad, reduce_grad_rows
 
         changes, n_tiles = [], 0
         for g in list(graph.find_nodes(op="call_function", target=gather)):
             p = g.args[0]
-            z = p.meta.get("zinf", {})
-            bounds = tiles.get(z.get("pid"))
+            z = ir.param(p)
+            bounds = tiles.get(z.pid) if z is not None else None
             if not bounds or p.meta["val"].dim() != 2:
                 continue
             for m, v, axis in weight_uses(g):
@@ -287,32 +303,31 @@ class TileParams:
 
                 def rows(i, s, e, p=p, g=g, z=z, chain=chain):
                     t = _emit(graph, gather_rows, (p, *g.args[1:3], s, e))
-                    t.meta["zinf"] = {"kind": "gather", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
+                    ir.mark(t, GatherMeta(z.pid, z.name, rows=(s, e)))
                     for x in chain:  # the same op on the tile (permute for t: Inductor has no t)
                         t = _transpose(graph, t) if _is_transpose(x) else _emit(graph, x.target, (t, *x.args[1:]),
                                                                                  dict(x.kwargs))
                     return t
 
                 _, a, _, _, _ = _operands(m)
-                tag = _weight_tag(p, z, bounds)
                 name = m.name
                 if v is a:
-                    tile_matmul(graph, m, axis, bounds, a_tiles=rows, tag=tag)
+                    tile_matmul(graph, m, axis, bounds, a_tiles=rows, pid=z.pid)
                 else:
-                    tile_matmul(graph, m, axis, bounds, b_tiles=rows, tag=tag)
+                    tile_matmul(graph, m, axis, bounds, b_tiles=rows, pid=z.pid)
                 n_tiles += len(bounds)
-                changes.append(f"{name}: {len(bounds)} tiles along {axis}, rows of {z['name']} gathered per tile")
+                changes.append(f"{name}: {len(bounds)} tiles along {axis}, rows of {z.name} gathered per tile")
             _erase_dead(graph, g)
         for r in list(graph.find_nodes(op="call_function", target=reduce_grad)):
             p = r.args[1]
-            z = p.meta.get("zinf", {}) if isinstance(p, fx.Node) else {}
-            bounds = tiles.get(z.get("pid"))
+            z = ir.param(p) if isinstance(p, fx.Node) else None
+            bounds = tiles.get(z.pid) if z is not None else None
             src = grad_source(r) if bounds else None
             if src is None:
                 continue
             m, axis, casts = src
             name = m.name
-            parts = tile_matmul(graph, m, axis, bounds, combine=False, tag={**_weight_tag(p, z, bounds), "grad": True})
+            parts = tile_matmul(graph, m, axis, bounds, combine=False, pid=z.pid, grad=True)
             for (s, e), y in zip(bounds, parts):
                 w = y
                 for x in casts + [None] * (axis == "N"):  # the gradient's casts, then rows first
@@ -321,27 +336,18 @@ class TileParams:
                                                                          dict(x.kwargs))
                 with graph.inserting_after(w):
                     red = _emit(graph, reduce_grad_rows, (w, p, s, e))
-                red.meta["zinf"] = {"kind": "reduce", "name": z["name"], "pid": z["pid"], "rows": (s, e)}
+                ir.mark(red, ReduceMeta(z.pid, z.name, getattr(ir.meta(r), "slot", -1), rows=(s, e)))
             graph.erase_node(r)
             _erase_dead(graph, m)
             n_tiles += len(bounds)
-            changes.append(f"{name}: gradient of {z['name']} in {len(bounds)} tiles along {axis}, each reduced "
+            changes.append(f"{name}: gradient of {z.name} in {len(bounds)} tiles along {axis}, each reduced "
                            "into its rows")
-        graph.lint()
-        return PassReport(self.name, tuple(changes), {"tiles": n_tiles} if n_tiles else {})
+        return changes, n_tiles
 
 
 def _transpose(graph: fx.Graph, x: fx.Node) -> fx.Node:
     # permute, not t: Inductor's graphs are decomposed (it has no lowering for aten.t)
     return _emit(graph, aten.permute.default, (x, [1, 0]))
-
-
-def _weight_tag(p: fx.Node, z: dict, bounds) -> dict:
-    """What a weight's tiles record for the plan: the parameter, the largest tile's shape and bytes."""
-    val = p.meta["val"]
-    rows = max(e - s for s, e in bounds)
-    return {"param": z["name"], "pid": z["pid"], "tile": (rows, *map(int, val.shape[1:])),
-            "tile_nbytes": rows * (int(val.numel()) // int(val.shape[0])) * val.element_size()}
 
 
 def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
@@ -359,21 +365,3 @@ def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
         ins = n.all_input_nodes
         graph.erase_node(n)
         n = ins[0] if len(ins) == 1 and _is_link(ins[0]) else None
-
-
-def tiled_ops(graphs) -> list[dict]:
-    """The tiled matmuls of rewritten graphs, one entry per original op: graph, op, kind, axis,
-    count, param, the weight tile's shape and bytes (from the tiles' meta)."""
-    out: dict[tuple, dict] = {}
-    for role, gm in graphs:
-        for n in gm.graph.nodes:
-            t = n.meta.get("zinf_tile")
-            if t is None:
-                continue
-            key = (role, t["op"])
-            if key not in out:
-                shape = t.get("tile") or tuple(int(x) for x in n.meta["val"].shape)
-                out[key] = {"graph": role, "op": t["op"], "target": t["target"], "axis": t["axis"],
-                            "count": t["count"], "param": t.get("param", ""), "grad": bool(t.get("grad")),
-                            "tile_shape": tuple(shape), "tile_nbytes": int(t.get("tile_nbytes", 0))}
-    return list(out.values())

@@ -117,40 +117,32 @@ def test_plan_params_offload_writes_parameter_actions_and_report(tmp_path, capsy
 def test_plan_params_auto_manages_them_when_resident_does_not_fit(tmp_path, capsys):
     assert main(["plan", MLP, *MLP_SMALL_BATCH, "--budget", "1MiB", "--out", str(tmp_path), "--no-report"]) == 0
     captured = capsys.readouterr()
-    assert "parameters: all resident: needs 2.04 MiB > budget 1.00 MiB; then 4 of 10 managed" in captured.err
+    assert "parameters (auto): all resident need 2.04 MiB > budget 1.00 MiB; 3 of 4 candidate parameter(s) managed" \
+        in captured.err
     plan = Plan.load(str(tmp_path / "plan.json"))
-    assert len(plan.params) == 4 and plan.peak_after <= plan.budget == 1 << 20
+    assert len(plan.params) == 3 and plan.peak_after <= plan.budget == 1 << 20  # the fewest that fit
     assert {"gather", "release", "reduce"} <= set(plan.action_counts())
 
 
-def test_plan_captured_resident_offload_and_fewest():
-    """One capture, planned per --params choice (what `zinf plan` does after capturing)."""
+def test_plan_offline_resident_auto_offload():
+    """One factory planned per --params choice through the backend's pipeline."""
     import pytest
 
-    from zinf_compile.capture import CapturedParam, plan_captured, trace
-    from zinf_compile.planner import _fewest
+    from zinf_compile.capture import plan_offline
     from zinf_compile.cost import load_profile
     from zinf_compile.errors import BudgetError
 
     from mlp import build
 
-    c = trace(build, {"batch": 16}, keep_joint=True)
-    assert [p.name for p in c.params][:2] == ["0.weight", "0.bias"] and c.can_manage
     prof = load_profile("cpu")
     with pytest.raises(BudgetError):
-        plan_captured(c, 1 << 20, prof, "nvme", params="resident")
-    roomy = plan_captured(c, 1 << 30, prof, "nvme", params="auto")
-    assert not roomy.plan.params and roomy.tried == ("all resident",)
-    forced = plan_captured(c, 1 << 30, prof, "cpu", params="offload")  # the CPU tier: no fetches
-    assert len(forced.plan.params) == 4 and "fetch" not in forced.plan.action_counts()
-    assert c.graphs["forward"] is roomy.graphs["forward"]  # managing parameters left the capture alone
-    assert not any(n.meta.get("zinf") for n in c.joint.graph.nodes)
-
-    big = [CapturedParam(i, f"p{i}", n, True) for i, n in enumerate((100, 400, 300, 200))]
-    size = lambda p: p.nbytes  # noqa: E731
-    assert [p.name for p in _fewest(big, [], 250, size)] == ["p1", "p2"]  # 400 + 300, less the largest: 300
-    assert len(_fewest(big, [], 1000, size)) == len(big)  # short of all: auto goes straight to managing all
-    assert [p.name for p in _fewest(big, [big[0]], 250, size)] == ["p0", "p1", "p2"]  # forced ones first
+        plan_offline(build, {"batch": 16}, 1 << 20, prof, "nvme", params="resident")
+    roomy = plan_offline(build, {"batch": 16}, 1 << 30, prof, "nvme", params="auto")
+    assert [p.name for p in roomy.params][:2] == ["0.weight", "0.bias"]
+    assert not roomy.plan.params and not roomy.managed
+    assert "parameters (auto): all resident fit" in roomy.plan.notes[0]
+    forced = plan_offline(build, {"batch": 16}, 1 << 30, prof, "cpu", params="offload")  # the CPU tier: no fetches
+    assert len(forced.plan.params) == len(forced.managed) == 4 and "fetch" not in forced.plan.action_counts()
 
 
 def test_plan_inference_params_offload(tmp_path):

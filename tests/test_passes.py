@@ -9,7 +9,8 @@ import torch
 
 from zinf_compile.capture import capture
 from zinf_compile.cost import BUILTIN
-from zinf_compile.passes import PIPELINE, PassContext, PinOrder, verify
+from zinf_compile import ir
+from zinf_compile.passes import InsertOffloads, PassContext, PinOrder, verify
 from zinf_compile.pipeline import plan_graphs
 
 from gpt import build as build_gpt
@@ -51,11 +52,11 @@ def test_passes_rewrite_verify_and_pin(gpt_graphs):
     graphs, nfo = gpt_graphs
     graphs = {k: copy.deepcopy(v) for k, v in graphs.items()}
     facts, plan = plan_graphs(graphs, nfo, BUDGET, BUILTIN["cpu"], "nvme")
-    ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=1)
-    report = PIPELINE[0](ctx)
+    ctx = PassContext(num_fwd_outputs=nfo, engine_key=1, plan=plan, facts=facts)
+    report = InsertOffloads().apply(graphs, ctx)
     n = plan.action_counts()["offload"]
     assert report.counts == {"offload": n, "prefetch": n, "wait": n}
-    assert verify(ctx, nfo, report.name) <= BUDGET
+    assert verify(ctx, nfo, report.name, graphs) <= BUDGET
     fw_out = next(iter(graphs["forward"].graph.find_nodes(op="output")))
     saved_handles = [a for a in fw_out.args[0] if getattr(a, "target", None) == torch.ops.zinf.offload.default]
     assert len(saved_handles) == n  # the forward returns handles in place of the offloaded tensors
@@ -64,7 +65,7 @@ def test_passes_rewrite_verify_and_pin(gpt_graphs):
 
     for role in ("forward", "backward"):
         g = graphs[role].graph
-        pin = PinOrder()(g)
+        pin = PinOrder().pin(g)
         wrapped = [nd for nd in g.nodes if nd.target is control_deps]
         assert pin.counts["edges"] >= len(wrapped) > 0
         for nd in wrapped:  # every added edge points at a node that stands earlier in the graph
@@ -78,15 +79,15 @@ def rewritten(gpt_graphs, budget=BUDGET):
     graphs, nfo = gpt_graphs
     graphs = {k: copy.deepcopy(v) for k, v in graphs.items()}
     facts, plan = plan_graphs(graphs, nfo, budget, BUILTIN["cpu"], "nvme")
-    ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=1)
-    PIPELINE[0](ctx)
-    return ctx, nfo
+    ctx = PassContext(num_fwd_outputs=nfo, engine_key=1, plan=plan, facts=facts)
+    InsertOffloads().apply(graphs, ctx)
+    return ctx, nfo, graphs
 
 
 def test_inserted_ops_stand_where_the_plan_anchors_them(gpt_graphs):
     """offload right after its step's node, prefetch and wait right before theirs (apart from
     other zinf ops anchored at the same place)."""
-    ctx, _ = rewritten(gpt_graphs)
+    ctx, _, _ = rewritten(gpt_graphs)
     zinf_ops = (torch.ops.zinf.offload.default, torch.ops.zinf.prefetch.default, torch.ops.zinf.wait.default)
     for a in ctx.plan.actions:
         node = ctx.inserted[a.group][a.kind]
@@ -98,8 +99,8 @@ def test_inserted_ops_stand_where_the_plan_anchors_them(gpt_graphs):
 
 
 def test_simulated_peak_of_the_rewritten_graphs_is_the_plans(gpt_graphs):
-    ctx, nfo = rewritten(gpt_graphs)
-    assert verify(ctx, nfo, "insert-offloads") == ctx.plan.peak_after
+    ctx, nfo, graphs = rewritten(gpt_graphs)
+    assert verify(ctx, nfo, "insert-offloads", graphs) == ctx.plan.peak_after
 
 
 @pytest.mark.parametrize("corrupt,message", [
@@ -114,7 +115,7 @@ def test_verifier_rejects_broken_rewrites(gpt_graphs, corrupt, message):
 
     from zinf_compile.passes import VerificationError
 
-    ctx, nfo = rewritten(gpt_graphs)
+    ctx, nfo, graphs = rewritten(gpt_graphs)
     group, nodes = next(iter(ctx.inserted.items()))
     off, pre, wait = nodes["offload"], nodes["prefetch"], nodes["wait"]
     if corrupt == "late_reader":  # something reads the offloaded tensor after the offload
@@ -128,12 +129,13 @@ def test_verifier_rejects_broken_rewrites(gpt_graphs, corrupt, message):
     else:  # the backward receives the handle but never prefetches it
         saved = [u for u in off.users if u.op == "output"]
         assert saved, "the first group should be a saved activation"
-        bw = ctx.graphs["backward"].graph
-        ph = next(p for p in bw.find_nodes(op="placeholder") if p.meta.get("zinf", {}).get("group") == group)
+        bw = graphs["backward"].graph
+        ph = next(p for p in bw.find_nodes(op="placeholder")
+                  if isinstance(ir.meta(p), ir.MoveMeta) and ir.meta(p).group == group)
         with bw.inserting_after(ph):
             bw.call_function(torch.ops.aten.clone.default, (ph,))
     with pytest.raises(VerificationError, match=message):
-        verify(ctx, nfo, "corrupted")
+        verify(ctx, nfo, "corrupted", graphs)
 
 
 def test_stall_prediction_against_hand_computed_cases(gpt_graphs):

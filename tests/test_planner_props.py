@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from zinf_compile.analysis.facts import GraphSpec, analyze
 from zinf_compile.cost import BUILTIN, step_cost
 from zinf_compile.errors import BudgetError
-from zinf_compile.passes import PIPELINE, PassContext, verify
+from zinf_compile.passes import InsertOffloads, PassContext, verify
 from zinf_compile.plan import Plan
 from zinf_compile.planner import make_plan
 from zinf_compile.runtime import close_all, register_engine
@@ -505,11 +505,11 @@ def test_rewritten_graph_runs_bitwise_equal_with_nvme_engine(prog, data, profile
     event(f"a transposed tensor moved: {any(list(d) != sorted(d) for d in orders)}")
     event(f"a tensor moved twice: {len({o.tensor for o in offs}) < len(offs)}")
 
-    ctx = PassContext(graphs={"inference": gm}, facts=facts, plan=plan, engine_key=ENGINE_KEY)
-    for p in PIPELINE:
-        p(ctx)
-        peak = verify(ctx, len(prog.outputs), p.name)
-        assert peak <= budget
+    ctx = PassContext(num_fwd_outputs=len(prog.outputs), engine_key=ENGINE_KEY, plan=plan, facts=facts)
+    report = InsertOffloads().apply({"inference": gm}, ctx)
+    gm.recompile()
+    peak = verify(ctx, len(prog.outputs), report.name, {"inference": gm})
+    assert peak <= budget
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(zops.offload) == targets.count(zops.prefetch) == targets.count(zops.wait) == n_groups
 
@@ -543,10 +543,10 @@ def test_verify_accepts_plan_at_lower_bound_on_cpu():
     assert [int(x) for x in facts.live] == [32, 48, 48, 36] and facts.lower_bound == 36
     plan = make_plan(facts, facts.lower_bound, PROFILE, TIER)
     assert plan.peak_after == 36 and len(_groups(plan)) == 1
-    ctx = PassContext(graphs={"inference": gm}, facts=facts, plan=plan, engine_key=ENGINE_KEY)
-    for p in PIPELINE:
-        p(ctx)
-        assert verify(ctx, 1, p.name) == 36
+    ctx = PassContext(num_fwd_outputs=1, engine_key=ENGINE_KEY, plan=plan, facts=facts)
+    report = InsertOffloads().apply({"inference": gm}, ctx)
+    gm.recompile()
+    assert verify(ctx, 1, report.name, {"inference": gm}) == 36
 
 
 def test_dense_dim_order_adds_no_guards():

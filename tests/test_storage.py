@@ -244,18 +244,6 @@ def _weights_case(make: str, batch: str) -> str:
     """)
 
 
-def _backend_keeps_layout_off_for_managed_4d_weights() -> bool:
-    import inspect
-
-    from zinf_compile import backend
-
-    return "layout_optimization" in inspect.getsource(backend)
-
-
-@pytest.mark.xfail(not _backend_keeps_layout_off_for_managed_4d_weights(), strict=True,
-                   reason="SIGSEGV: Inductor's layout optimisation copies the saved 4-d parameter placeholder "
-                          "(storage freed) to channels-last; needs the backend patch (layout_optimization off "
-                          "when a 4-d parameter may be managed)")
 def test_a_managed_conv2d_weight_trains_like_inductor(tmp_path):
     out = _run(_weights_case(
         "nn.Sequential(nn.Conv2d(3, 128, 8, stride=8), nn.Flatten(), nn.Linear(128 * 2 * 2, 10))",

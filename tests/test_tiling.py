@@ -7,6 +7,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zinf_compile import ir
+from zinf_compile.ir import TileMeta
+
 from zinf_compile.passes.tiling import split_bounds, tile_matmul
 
 aten = torch.ops.aten
@@ -56,7 +59,7 @@ def test_tiled_op_matches_the_untiled_op(op, axis, dtype):
     tile_matmul(gm.graph, node, axis, bounds)
     gm.graph.lint()
     gm.recompile()
-    tiled = sum(1 for n in gm.graph.nodes if "zinf_tile" in n.meta)
+    tiled = sum(1 for n in gm.graph.nodes if isinstance(ir.meta(n), TileMeta))
     assert tiled == 4
     got = gm(a, b, c)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -202,14 +205,15 @@ def test_the_whole_weight_never_exists_and_its_tiles_are_fetched_ahead(trained):
     rec = trained["rec"]
     for role, gm in rec.graphs.items():
         whole = [n for n in gm.graph.nodes if n.target in (gather, gather_from, reduce_grad)
-                 and n.meta.get("zinf", {}).get("name") == "big.weight"]
+                 and getattr(ir.meta(n), "name", None) == "big.weight"]
         assert not whole, (role, whole)
         tiles = [n for n in gm.graph.nodes if n.target in (gather_rows, gather_rows_from)]
         assert tiles and all(n.meta["val"].numel() < 600 * 600 for n in tiles)
         assert gm.graph.find_nodes(op="call_function", target=fetch_rows)  # the next tile read ahead
         # one tile at a time: each tile's rows are read right before its matmul, never two ahead
         seq = [("g" if n.target in (gather_rows, gather_rows_from) else "m") for n in gm.graph.nodes
-               if n.target in (gather_rows, gather_rows_from) or "zinf_tile" in n.meta and not n.meta["zinf_tile"].get("grad")]
+               if n.target in (gather_rows, gather_rows_from)
+               or isinstance(ir.meta(n), TileMeta) and not ir.meta(n).grad]
         assert "gg" not in "".join(seq), (role, "".join(seq))
     kinds = rec.plan.action_counts()
     assert kinds["gather"] >= 3 * 2 and kinds["reduce"] >= 2
@@ -248,7 +252,7 @@ def test_a_weight_read_through_casts_is_tiled_and_its_gradient_reduced_by_rows(t
     """autocast reads a weight as gather -> bf16 cast -> transpose, and its gradient comes back
     as mm -> fp32 cast -> transpose: tiles go through the same casts."""
     from zinf_compile.passes.params import param_meta
-    from zinf_compile.passes.tiling import TileParams, candidates
+    from zinf_compile.passes.tiling import TileMatmuls, candidates
     from zinf_compile.runtime.ops import gather, gather_rows, reduce_grad, reduce_grad_rows
     from zinf_compile.runtime.params import STORE
 
@@ -272,7 +276,7 @@ def test_a_weight_read_through_casts_is_tiled_and_its_gradient_reduced_by_rows(t
     out.args = ((out.args[0][0], None),)  # as ReduceGrads.drop_outputs leaves a backward
     (c,) = candidates(gm.graph).values()
     assert c.pid == pid and len(c.uses) == 1 and len(c.grads) == 1 and not c.others
-    TileParams()(gm.graph, {pid: split_bounds(37, 3)})
+    TileMatmuls(((pid, tuple(split_bounds(37, 3))),)).apply({"inference": gm}, None)
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(gather_rows) == 3 and targets.count(reduce_grad_rows) == 3
@@ -309,19 +313,21 @@ def test_a_gathered_weight_is_live_at_the_matmul_reading_its_transpose(inference
     import os
     import sys
 
-    from zinf_compile.analysis.facts import analyze
-    from zinf_compile.capture import trace
-    from zinf_compile.passes.params import is_gather, param_meta
+    from zinf_compile.analysis import analyze, graph_specs
+    from zinf_compile.capture import plan_offline
+    from zinf_compile.cost import load_profile
+    from zinf_compile.passes.params import is_gather
     from zinf_compile.passes.tiling import weight_uses
-    from zinf_compile.pipeline import graph_specs
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from tiled import build
 
-    c = trace(build, dict(batch=4, d_in=24, width=600, d_out=10), inference=inference, keep_joint=not inference)
-    big = next(p for p in c.params if p.name == "big.weight")
-    graphs, _ = c.partition({big.index: param_meta(big.name, big.index, 0, "nvme", not inference)})
-    facts = analyze(graph_specs(graphs, c.num_fwd_outputs))
+    # every weight managed, gathered whole (the CPU tier: no fetches), nothing tiled
+    done = plan_offline(build, dict(batch=4, d_in=24, width=600, d_out=10), 1 << 40, load_profile("cpu"), "cpu",
+                        params="offload", inference=inference, tiling="off")
+    graphs = done.graphs
+    assert "big.weight" in [p.name for p in done.managed]
+    facts = analyze(graph_specs(graphs, done.num_fwd_outputs))
     checked = 0
     for b in facts.buffers:
         g = b.aliases[0]
@@ -376,12 +382,8 @@ def test_no_tiles_where_tiling_cannot_make_the_step_fit():
     from zinf_compile.passes.tiling import Candidate
     from zinf_compile.planner import MAX_TILES, choose_tiles
 
-    class Facts:
-        floor = np.array([10, 500, 10])
-        lower_bound = 500
-        step_of = {"mm": 1}
-
+    floor, step_of = np.array([10, 500, 10]), {"mm": 1}
     c = Candidate(7, "w", rows=4096, nbytes=200, uses=("mm",))
-    assert choose_tiles(Facts, 250, {7: c}, BUILTIN["cpu"], "nvme") == {}  # 500 - 200 = 300 > 250
-    picked = choose_tiles(Facts, 400, {7: c}, BUILTIN["cpu"], "nvme")  # room 100 for 2 x 200 / T
+    assert choose_tiles(floor, step_of, 250, {7: c}, BUILTIN["cpu"], "nvme") == {}  # 500 - 200 = 300 > 250
+    picked = choose_tiles(floor, step_of, 400, {7: c}, BUILTIN["cpu"], "nvme")  # room 100 for 2 x 200 / T
     assert 4 <= picked[7] <= MAX_TILES

@@ -1,17 +1,20 @@
 """The `zinf` torch.compile backend: glue from options to Inductor hooks.
 
     Dynamo graph -> compile_fx(config_patches={custom_partitioner_fn, post_grad_custom_post_pass})
-      training:  joint graph -> ZinfPartitioner: default partition, analyse fw+bw, plan, insert
-      inference: post-grad graph -> ZinfPostGrad: analyse, plan, insert
+      training:  joint graph -> ZinfPartitioner -> pipeline.compile_joint (every pass, one plan)
+      inference: post-grad graph -> ZinfPostGrad -> pipeline.compile_inference
+      every graph: ZinfPostGrad pins the planned order of zinf ops (PinOrder)
+The backend chooses the candidates (which parameters zinf may manage) and takes over the ones the
+plan manages; the pipeline decides and rewrites.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +30,11 @@ except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's 
 from zinf_compile import records
 from zinf_compile.config import ZinfConfig
 from zinf_compile.errors import BudgetError, ZinfError
-from zinf_compile.pipeline import fit_tiled, plan_and_rewrite, tile_choices
-from zinf_compile.planner import prefetch_param_gathers, try_param_choices
+from zinf_compile.ir import output_node
+from zinf_compile.planner import PERSIST_BYTES, DeviceModel
 from zinf_compile.runtime.engine import get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
-# Parameters smaller than this stay resident when zinf manages parameters (the bookkeeping and the
-# latency of a gather outweigh the bytes; DeepSpeed's stage3_param_persistence_threshold is the same idea)
-PERSIST_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,11 @@ class Session:
     engine_key: int
     params: tuple[ParamInfo, ...] = ()
     world: int = 1  # ranks in the default process group at compile time
+    group: str | None = None  # its name, for the collectives the passes insert
+    token: int = 0  # the _CompiledToken of the function this backend call returns
 
     @staticmethod
-    def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = ()) -> "Session":
+    def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = (), token: int = 0) -> "Session":
         tier = cfg.tier_for(device)
         from zinf_compile.runtime.params import world
 
@@ -97,7 +99,32 @@ class Session:
         register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
             _pin_mmap_threshold(cfg.malloc_mmap_threshold)
-        return Session(cfg, device, tier, budget, key, params, n_world)
+        group = None
+        if n_world > 1:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD.group_name
+        return Session(cfg, device, tier, budget, key, params, n_world, group, token)
+
+    def request(self, primals: list[fx.Node]):
+        """The pipeline's Request for a graph whose inputs `primals` include these parameters."""
+        from zinf_compile.cost import load_profile
+        from zinf_compile.passes.params import param_meta
+        from zinf_compile.pipeline import Request
+
+        cands, resident = _candidates(self, primals)
+        model = DeviceModel(self.device, self.tier, self.world, maps_files=_maps_files(self))
+        metas = tuple((primals.index(n), param_meta(info.name, info.pid, _resident_bytes(self, info), self.tier,
+                                                    info.requires_grad, self.engine_key, self.cfg.master_dtype),
+                       info.managed) for n, info in cands)
+        allreduce = tuple(primals.index(n) for n, info in resident if info.requires_grad) if self.world > 1 else ()
+        return Request(
+            profile=load_profile(self.cfg.profile, self.device), model=model,
+            budget=None if self.cfg.budget_fraction is not None else self.budget,
+            budget_fraction=self.cfg.budget_fraction, params_mode=self.cfg.params, candidates=metas,
+            allreduce=allreduce, group=self.group, tiling=self.cfg.tiling, max_tile_bytes=self.cfg.max_tile_bytes,
+            engine_key=self.engine_key, verify=self.cfg.verify, dump_dir=self.cfg.dump_dir,
+            disabled=frozenset(self.cfg.disabled_passes))
 
     @property
     def engine(self):
@@ -118,39 +145,18 @@ class ZinfPartitioner(CustomPartitionerFn):
         self.session = session
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs: Any):
-        primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-
-        def attempt(chosen, last):
-            return self._partition(gm if last else copy.deepcopy(gm), chosen, joint_inputs, kwargs), chosen
-
-        return _try_param_choices(self.session, primals, attempt)
-
-    def _partition(self, gm: fx.GraphModule, chosen, joint_inputs, kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from zinf_compile.passes.params import param_meta, partition_with_params
+        from zinf_compile.analysis import primal_nodes
+        from zinf_compile.pipeline import compile_joint
 
-        s = self.session
-        managed = {info.index: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, info.requires_grad,
-                                          s.engine_key, s.cfg.master_dtype) for _, info in chosen}
-        # over several ranks, the gradients of resident parameters are averaged as DDP does
-        chosen_ids = {info.index for _, info in chosen}
-        allreduce = [info.index for info in s.params if info.requires_grad and info.index not in chosen_ids] \
-            if s.world > 1 else []
-        fw, bw, reports = partition_with_params(min_cut_rematerialization_partition, gm, joint_inputs, kwargs, managed,
-                                                allreduce=allreduce, world=s.world)
-        graphs = {"forward": fw, "backward": bw}
-        nfo = kwargs["num_fwd_outputs"]
-        # weights too large to gather whole: tiles (memory-centric tiling); NVMe shards fetched
-        # ahead of their gathers, or when that breaks the budget, gathered just in time
-        choices = _tile_choices(s, graphs, nfo) if managed else [{}]
-        prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, nfo, aware)) if managed and s.tier == "nvme" else None
-        graphs, _ = fit_tiled(graphs, choices, lambda gs, rep: plan_and_rewrite(s, gs, nfo, pre_reports=rep),
-                              prefetch, reports, room_aware=_fetches_hold_memory(s))
-        fw, bw = graphs["forward"], graphs["backward"]
-        _take_over(s, [info for _, info in chosen])
+        primals = primal_nodes(gm.graph, joint_inputs)
+        req = self.session.request(primals)
+        done = _compiled(self.session, req, lambda: compile_joint(gm, joint_inputs, kwargs,
+                                                                  min_cut_rematerialization_partition, req))
+        fw, bw = done.graphs["forward"], done.graphs["backward"]
         for m in (fw, bw):
-            next(iter(m.graph.find_nodes(op="output"))).meta[PLANNED] = True
+            output_node(m.graph).meta[PLANNED] = True
         return fw, bw
 
     def uuid(self) -> str:
@@ -166,89 +172,67 @@ class ZinfPostGrad(_PostGradPass):
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         from zinf_compile.passes import PinOrder
+        from zinf_compile.pipeline import compile_inference
 
-        out = next(iter(graph.find_nodes(op="output")))
+        out = output_node(graph)
         if is_inference is None:  # an older torch: training graphs carry the partitioner's marker
             is_inference = not out.meta.get(PLANNED)
         if is_inference and not out.meta.get(PLANNED):
-            placeholders = list(graph.find_nodes(op="placeholder"))
-            _try_param_choices(self.session, placeholders, lambda chosen, last: (self._plan(graph, chosen), chosen))
-            out.meta[PLANNED] = True
-        records.attach(graph, PinOrder()(graph))
-
-    def _plan(self, graph: fx.Graph, chosen) -> None:
-        """Plan an inference graph. With managed parameters the rewrites (gathers, tiles, fetches)
-        are tried on copies, and the one that fits replaces the graph's nodes; a BudgetError leaves
-        the graph as it came, so a retry with other parameters starts clean."""
-        from zinf_compile.passes.params import InsertGathers, param_meta
-        from zinf_compile.pipeline import copy_graphs
-
-        s = self.session
-        if not chosen:
-            plan_and_rewrite(s, {"inference": graph.owning_module}, -1, pre_reports=[])
-            return
-        work = copy_graphs({"inference": graph.owning_module})
-        wg = work["inference"].graph
-        index = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
-        copies = list(wg.find_nodes(op="placeholder"))
-        managed = {copies[index[n]]: param_meta(info.name, info.pid, _resident_bytes(s, info), s.tier, False,
-                                                s.engine_key, s.cfg.master_dtype) for n, info in chosen}
-        reports = [InsertGathers()(wg, managed, recompute=False, world=s.world)]
-        work["inference"].recompile()
-        prefetch = (lambda gs, aware: _prefetch_gathers(s, gs, -1, aware)) if s.tier == "nvme" else None
-        done, _ = fit_tiled(work, _tile_choices(s, work, -1), lambda gs, rep: plan_and_rewrite(s, gs, -1, rep),
-                            prefetch, reports, room_aware=_fetches_hold_memory(s))
-        _transplant(graph, done["inference"].graph)
-        _take_over(s, [info for _, info in chosen])
+            req = self.session.request(list(graph.find_nodes(op="placeholder")))
+            _compiled(self.session, req, lambda: compile_inference(graph.owning_module, req))
+            output_node(graph).meta[PLANNED] = True
+        if "pin-order" not in self.session.cfg.disabled_passes:
+            records.attach(graph, PinOrder().pin(graph))
 
     def uuid(self) -> str:
         return self.session.uuid()
 
 
-def _transplant(dst: fx.Graph, src: fx.Graph) -> None:
-    """Make `dst` (a graph Inductor owns) what `src` (a rewritten copy of it) is: its placeholders
-    stay (with src's meta), every other node is replaced by a copy of src's."""
-    for n in reversed(list(dst.nodes)):
-        if n.op != "placeholder":
-            dst.erase_node(n)
-    kept = list(dst.find_nodes(op="placeholder"))
-    theirs = list(src.find_nodes(op="placeholder"))
-    env = dict(zip(theirs, kept))
-    for a, b in env.items():
-        b.meta.update(a.meta)
-    for n in src.nodes:
-        if n.op != "placeholder":
-            env[n] = dst.node_copy(n, env.__getitem__)
-    dst.lint()
-    if dst.owning_module is not None:
-        dst.owning_module.recompile()
-
-
-def _try_param_choices(s: Session, primals: list[fx.Node], attempt):
-    """Run attempt(chosen, last) on the cheapest choice of managed parameters that fits the budget:
-    the parameters as they are, then the fewest (largest first) that free the shortfall, then every
-    parameter of PERSIST_BYTES or more. attempt(chosen, last) -> (result, chosen) raises BudgetError
-    when a choice does not fit (the choosing itself: planner.try_param_choices)."""
-    cands = _match_params(primals, s.params)
-    if not cands and any(info.managed for info in s.params):
-        raise ZinfError("zinf: this graph's inputs do not line up with its parameters (AOT deduplicated "
-                        "some?), but some are managed and must be gathered; call torch._dynamo.reset()")
-    forced = [c for c in cands if c[1].managed]
-    big = [c for c in cands if c[1].managed or (c[1].nbytes >= PERSIST_BYTES and c[1].manageable
-                                                 and not _mutated(c[0]))]
-    pinned = [c for c in cands if not c[1].manageable and c[1].nbytes >= PERSIST_BYTES]
+def _compiled(s: Session, req, run):
+    """Run the pipeline; take over the parameters its plan manages. A BudgetError where parameters
+    a graph compiled earlier reads directly were left out says so."""
     try:
-        out = try_param_choices(s.cfg.params, big, forced, lambda c: c[1].nbytes, attempt)
+        done = run()
     except BudgetError as e:
+        _close_if_idle(s)
+        pinned = [info for info in s.params if not info.manageable and info.nbytes >= PERSIST_BYTES]
         if not pinned:
             raise
         raise BudgetError(e.budget, e.lower_bound, e.best_peak, detail=(
             f"{len(pinned)} large parameter(s) stay resident because a graph compiled earlier (when "
             "they fitted) reads them directly; call torch._dynamo.reset() before this compile or "
             "compile with options={'params': 'offload'} from the start.")) from None
-    chosen = out[1]
-    _pin_resident(c[1] for c in cands if c not in chosen and c[1].nbytes >= PERSIST_BYTES)
-    return out[0]
+    except BaseException:
+        _close_if_idle(s)
+        raise
+    by_pid = {info.pid: info for info in s.params}
+    cand_pids = {m.pid for _, m, _ in req.candidates}
+    _take_over(s, [by_pid[pid] for pid in sorted(done.managed)])
+    _pin_resident((by_pid[pid] for pid in cand_pids - done.managed), s.token)
+    return done
+
+
+def _close_if_idle(s: Session) -> None:
+    """Leave no empty swap folder behind a failed compile; a folder holding any file (parameter
+    shards, optimizer states) stays: its descriptors are in use."""
+    eng = s.engine
+    if eng.live_tickets() == 0 and (eng._swap is None or eng._swap.file_count() == 0):
+        eng.close()
+
+
+def _candidates(s: Session, primals: list[fx.Node]):
+    """(candidates, resident): the (primal, parameter) pairs zinf may manage (those managed
+    already, and those of PERSIST_BYTES or more it can free), and the others."""
+    pairs = _match_params(primals, s.params)
+    if not pairs and any(info.managed for info in s.params):
+        raise ZinfError("zinf: this graph's inputs do not line up with its parameters (AOT deduplicated "
+                        "some?), but some are managed and must be gathered; call torch._dynamo.reset()")
+    if s.cfg.params == "resident":
+        cands = [c for c in pairs if c[1].managed]
+    else:
+        cands = [c for c in pairs if c[1].managed or (c[1].nbytes >= PERSIST_BYTES and c[1].manageable
+                                                       and not _mutated(c[0]))]
+    return cands, [c for c in pairs if c not in cands]
 
 
 def _mutated(n: fx.Node) -> bool:
@@ -257,13 +241,42 @@ def _mutated(n: fx.Node) -> bool:
                for u in n.users)
 
 
-def _pin_resident(infos) -> None:
-    """Parameters a compiled graph reads directly: later compiles must not take them over (Dynamo
-    would keep running that graph on their freed storage)."""
-    from zinf_compile.runtime.params import STORE
+class _CompiledToken:
+    """Lives as long as the function a zinf_backend call returned (Dynamo drops that function on
+    torch._dynamo.reset()): the parameters its graphs read directly are pinned while it lives."""
 
+
+_TOKENS: "weakref.WeakValueDictionary[int, _CompiledToken]" = weakref.WeakValueDictionary()
+_PINS: dict[int, set[int]] = {}  # pid -> the tokens of the compiled functions reading it directly
+
+
+def _holding(fn, token: _CompiledToken):
+    """fn, with the token in its closure: the pins of this compile live as long as Dynamo keeps the
+    compiled function (Dynamo re-wraps what a backend returns, keeping its code and closure, not
+    the function object or its attributes: measured on torch 2.13)."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        assert token is not None
+        return fn(*args)
+
+    return run
+
+
+def _pin_resident(infos, token: int) -> None:
+    """Parameters a compiled graph reads directly: later compiles must not take them over while
+    that graph lives (Dynamo would keep running it on their freed storage)."""
     for info in infos:
-        STORE.pinned.add(info.pid)
+        _PINS.setdefault(info.pid, set()).add(token)
+
+
+def _pinned(pid: int) -> bool:
+    live = {t for t in _PINS.get(pid, ()) if t in _TOKENS}
+    if live:
+        _PINS[pid] = live
+    else:
+        _PINS.pop(pid, None)
+    return bool(live)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -328,38 +341,9 @@ def _shared_default_budget(device: str, n_world: int) -> int:
 
 
 def _maps_files(s: Session) -> bool:
-    """Gathers map the shard files: a CPU device with buffered (not O_DIRECT) files."""
-    return s.device == "cpu" and not s.cfg.o_direct
-
-
-def _fetches_hold_memory(s: Session) -> bool:
-    from zinf_compile.planner import fetch_holds_device_memory
-
-    return fetch_holds_device_memory(s.device, _maps_files(s))
-
-
-def _prefetch_gathers(s: Session, graphs: dict[str, fx.GraphModule], nfo: int, aware: bool = False) -> list | None:
-    """Fetch the graphs' NVMe shards ahead of their gathers; `aware`: only over steps with room
-    for what a fetched shard holds (None when nothing would differ from fetching without it)."""
-    from zinf_compile.cost import load_profile
-    from zinf_compile.pipeline import room_by_node
-
-    profile = load_profile(s.cfg.profile, s.device)
-    room = room_by_node(graphs, nfo, s.budget, s.cfg.budget_fraction, s.device, profile).get if aware else None
-    reports = prefetch_param_gathers([m.graph for m in graphs.values()], profile, s.tier, s.device, s.world,
-                                     mapped=_maps_files(s), room=room)
-    if aware and not any(r.counts.get("held back for room") for r in reports):
-        return None
-    for m in graphs.values():
-        m.recompile()
-    return reports
-
-
-def _tile_choices(s: Session, graphs: dict, nfo: int) -> list[dict]:
-    from zinf_compile.cost import load_profile
-
-    return tile_choices(graphs, nfo, s.cfg.tiling, s.cfg.max_tile_bytes, s.budget, s.cfg.budget_fraction,
-                        load_profile(s.cfg.profile, s.device), s.tier, s.device)
+    """Gathers map the shard files: a CPU device whose engine reads buffered files (the engine
+    knows: it falls back from O_DIRECT where the file system refuses it)."""
+    return s.device == "cpu" and s.engine.can_map()
 
 
 _WARNED: list = []
@@ -386,7 +370,7 @@ def _take_over(s: Session, infos: list[ParamInfo]) -> None:
 
 
 def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.params import STORE, take_over_refusal
 
     names = []
     for n in gm.graph.find_nodes(op="placeholder"):
@@ -400,10 +384,9 @@ def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
         if isinstance(x, torch.nn.Parameter) and not x.is_meta:
             name = names[i] if i < len(names) else f"param{i}"
             pid = STORE.identify(x, name)
-            exclusive = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
             out.append(ParamInfo(i, pid, name, x.numel() * x.element_size(), tuple(x.shape), str(x.dtype),
                                  x.requires_grad, STORE.entry_by_id(pid) is not None,
-                                 exclusive and pid not in STORE.pinned))
+                                 take_over_refusal(x) is None and not _pinned(pid)))
     return tuple(out)
 
 
@@ -441,20 +424,30 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     from zinf_compile.runtime import ops  # noqa: F401  (registers zinf:: ops)
 
     cfg = ZinfConfig.from_options(options)
-    session = Session.start(cfg, _graph_device(example_inputs), _param_infos(gm, example_inputs))
+    token = _CompiledToken()
+    _TOKENS[id(token)] = token
+    infos = _param_infos(gm, example_inputs)
+    session = Session.start(cfg, _graph_device(example_inputs), infos, id(token))
     patches = {
         "custom_partitioner_fn": ZinfPartitioner(session),
         "post_grad_custom_post_pass": ZinfPostGrad(session),
     }
+    if cfg.params != "resident" and any(len(i.shape) == 4 and (i.managed or i.manageable) for i in infos):
+        # Inductor's layout optimisation (channels-last around convolutions) would copy a 4-d
+        # parameter the forward returns (saved for the backward's gather) into a channels-last
+        # buffer: a kernel reading a managed parameter's freed storage (SIGSEGV)
+        patches["layout_optimization"] = False
     from zinf_compile.runtime.params import STORE
 
     before = {e.index for e in STORE.entries()}
     try:
         if cfg.cache:
-            return compile_fx(gm, example_inputs, config_patches=patches)
-        patches["fx_graph_cache"] = False
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            fn = compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            patches["fx_graph_cache"] = False
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                fn = compile_fx(gm, example_inputs, config_patches=patches)
+        return _holding(fn, token)
     except BaseException:
         # the partitioner took parameters over, then something later failed: no graph will gather
         # them, so give them their data back (Dynamo may run the model eagerly next)

@@ -2,13 +2,12 @@
 `zinf plan` can plan a 7B-parameter model on a laptop without allocating a byte of it."""
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.util
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -82,47 +81,11 @@ class CapturedParam:
 @dataclass
 class Captured:
     """What `trace` captured: the graphs as a real compile partitions them with every parameter
-    resident and, to plan again with managed parameters, (training, when asked) the joint graph."""
+    resident, and the model's parameters (empty when the graph's inputs do not line up with them)."""
 
     graphs: dict[str, fx.GraphModule]
     num_fwd_outputs: int
-    params: tuple[CapturedParam, ...] = ()  # empty when the graph's inputs do not line up with them
-    joint: fx.GraphModule | None = None  # untouched by any partition; `partition` copies it
-    joint_inputs: Any = None
-    partition_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def can_manage(self) -> bool:
-        """Whether `partition` can manage parameters (inference, or training with the joint kept)."""
-        return bool(self.params) and ("inference" in self.graphs or self.joint is not None)
-
-    def partition(self, managed: dict[int, dict]) -> tuple[dict[str, fx.GraphModule], list]:
-        """The graphs with the parameters in `managed` (input index -> param_meta) managed, as the
-        backend does: gathered before use (training: again in backward, and gradients reduced into
-        their shards). Fresh graphs each call. Returns (graphs, the parameter passes' reports)."""
-        from zinf_compile.passes.params import InsertGathers, partition_with_params
-        from zinf_compile.runtime import ops  # noqa: F401  (registers the zinf:: ops)
-
-        if not managed:
-            return self.graphs, []
-        if not self.can_manage:
-            raise ZinfConfigError("this capture kept no joint graph to manage parameters in: "
-                                  "trace(..., keep_joint=True)")
-        if "inference" in self.graphs:
-            gm = _copy(self.graphs["inference"])
-            inputs = list(gm.graph.find_nodes(op="placeholder"))
-            report = InsertGathers()(gm.graph, {inputs[i]: m for i, m in managed.items()}, recompute=False)
-            gm.recompile()
-            return {"inference": gm}, [report]
-        fw, bw, reports = partition_with_params(_partition_fn, _copy(self.joint), self.joint_inputs,
-                                                dict(self.partition_kwargs), managed)
-        return {"forward": fw, "backward": bw}, reports
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    with warnings.catch_warnings():  # torch's pytree warns about its own specs while they are copied
-        warnings.simplefilter("ignore", FutureWarning)
-        return copy.deepcopy(gm)
+    params: tuple[CapturedParam, ...] = ()
 
 
 def _partition_fn(joint, joint_inputs, **kw):
@@ -138,35 +101,34 @@ def _partition_fn(joint, joint_inputs, **kw):
 
 
 def capture(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool = False):
-    """Build the model under FakeTensorMode and trace it. Returns (graphs by role, num_fwd_outputs).
-
-    Training: the joint graph of the loss goes through the default partitioner, as in a real
-    compile, and the forward/backward pair comes back. Inference: the forward graph alone.
-    """
+    """Build the model under FakeTensorMode and trace it. Returns (graphs by role, num_fwd_outputs)."""
     c = trace(factory, kwargs, inference=inference)
     return c.graphs, c.num_fwd_outputs
 
 
 def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool = False,
-          keep_joint: bool = False) -> Captured:
-    """`capture`, keeping what planning with managed parameters needs: the parameters' names and
-    sizes and, with `keep_joint` (training), a copy of the joint graph to partition again."""
+          on_joint: Callable | None = None, on_inference: Callable | None = None) -> Captured:
+    """Build the model under FakeTensorMode and trace it as a real compile does: training, the
+    joint graph of the loss through the partitioner (or `on_joint(joint, joint_inputs, kwargs,
+    params)` -> (forward, backward), which plans it); inference, the forward graph (or
+    `on_inference(gm, params)` -> gm). `params`: the model's parameters, if the graph's inputs
+    line up with them."""
     from torch._functorch.aot_autograd import aot_function
 
     graphs: dict[str, fx.GraphModule] = {}
     nfo: list[int] = []
-    kept: dict[str, Any] = {}
+    box: dict[str, Any] = {}
 
     def partition(joint, joint_inputs, **kw):
-        if keep_joint:
-            kept.update(joint=_copy(joint), joint_inputs=joint_inputs, partition_kwargs=dict(kw))
-        fw, bw = _partition_fn(joint, joint_inputs, **kw)
+        params = box["params"] = _checked(box["params"], joint)
+        fw, bw = on_joint(joint, joint_inputs, kw, params) if on_joint else _partition_fn(joint, joint_inputs, **kw)
         graphs["forward"], graphs["backward"] = fw, bw
         nfo.append(kw["num_fwd_outputs"])
         return fw, bw
 
     def keep_inference(gm, _inputs):
-        graphs["inference"] = gm
+        params = box["params"] = _checked(box["params"], gm)
+        graphs["inference"] = on_inference(gm, params) if on_inference else gm
         return gm
 
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -180,8 +142,8 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
         k = len(named)
         if inference:
             model.requires_grad_(False)
-        params = tuple(CapturedParam(i, n, p.numel() * p.element_size(), p.requires_grad)
-                       for i, (n, p) in enumerate(model.named_parameters()))
+        box["params"] = tuple(CapturedParam(i, n, p.numel() * p.element_size(), p.requires_grad)
+                              for i, (n, p) in enumerate(model.named_parameters()))
 
         def run(*args):
             out = torch.func.functional_call(model, dict(zip(names, args[:k])), args[k:])
@@ -196,15 +158,13 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
             compiled = aot_function(run, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
                                     partition_fn=partition, num_params_buffers=k)
             compiled(*[t for _, t in named], *inputs)
-    if kept or inference:
-        params = _checked(params, kept["joint"] if kept else graphs["inference"])
-    return Captured(graphs, nfo[0] if nfo else -1, params, **kept)
+    return Captured(graphs, nfo[0] if nfo else -1, box["params"])
 
 
 def _checked(params: tuple[CapturedParam, ...], gm: fx.GraphModule) -> tuple[CapturedParam, ...]:
     """The parameters, if the graph's inputs are the model's parameters first and in order (by
     size); none otherwise (AOT deduplicated some), and then no parameter can be managed."""
-    primals = [n for n in gm.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    primals = list(gm.graph.find_nodes(op="placeholder"))
     for p in params:
         val = primals[p.index].meta.get("val") if p.index < len(primals) else None
         if not isinstance(val, torch.Tensor) or val.numel() * val.element_size() != p.nbytes:
@@ -222,92 +182,46 @@ PARAM_MODES = ("auto", "offload", "resident")  # as the backend's `params` optio
 
 @dataclass(frozen=True)
 class OfflinePlan:
-    facts: Any
     plan: Any
     graphs: dict[str, fx.GraphModule]
     managed: tuple[CapturedParam, ...]  # the parameters the plan manages
-    tried: tuple[str, ...]  # each choice tried, the last the plan's: "all resident: needs ..", "4 of 10 managed"
+    params: tuple[CapturedParam, ...]  # every parameter of the model (empty: they could not be matched)
+    seconds: dict[str, float]  # per pass and planning phase
+    num_fwd_outputs: int = -1
 
 
-def plan_captured(c: Captured, budget: int, profile, tier: str, params: str = "auto",
-                  device: str = "cpu", tiling: str = "auto", max_tile_bytes: int | None = None) -> OfflinePlan:
-    """Plan a capture as the backend's partitioner would: `params` "resident" keeps every parameter
-    on the device; "offload" manages every parameter of PERSIST_BYTES or more; "auto" tries
-    resident, then the fewest (largest first) that close the shortfall, then all of them."""
-    from zinf_compile.backend import PERSIST_BYTES
-    from zinf_compile.planner import try_param_choices
-    from zinf_compile.units import format_bytes
+def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: int, profile, tier: str,
+                 params: str = "auto", inference: bool = False, device: str = "cpu", tiling: str = "auto",
+                 max_tile_bytes: int | None = None) -> OfflinePlan:
+    """Trace the model under FakeTensorMode and plan it through the same pipeline as the backend
+    (one rank; buffered files). `params` as the backend's option: "auto" manages the fewest
+    parameters (of PERSIST_BYTES or more) that fit, "offload" all of them, "resident" none."""
+    from zinf_compile.config import tier_frees_device
+    from zinf_compile.passes.params import param_meta
+    from zinf_compile.pipeline import Request, compile_inference, compile_joint
+    from zinf_compile.planner import PERSIST_BYTES, DeviceModel
 
     if params not in PARAM_MODES:
         raise ZinfConfigError(f"params: expected one of {', '.join(PARAM_MODES)}, got {params!r}")
-    big = [p for p in c.params if p.nbytes >= PERSIST_BYTES] if c.can_manage else []
-    tried: list[str] = []
+    frees = tier_frees_device(tier, profile.device)  # planned for the target, as the backend plans its device
+    model = DeviceModel(profile.device, tier, 1, maps_files=profile.device == "cpu")
+    done: dict[str, Any] = {}
 
-    def failed(chosen, e):
-        tried.append(f"{_what(chosen, len(c.params))}: needs {format_bytes(max(e.lower_bound, e.best_peak))} "
-                     f"> budget {format_bytes(e.budget)}")
+    def request(cparams):
+        cands = tuple((p.index, param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad), False)
+                      for p in cparams if p.nbytes >= PERSIST_BYTES) if params != "resident" else ()
+        return Request(profile=profile, model=model, budget=budget, params_mode=params, candidates=cands,
+                       tiling=tiling, max_tile_bytes=max_tile_bytes, trace_device=device)
 
-    return try_param_choices(params, big, [], lambda p: p.nbytes,
-                             lambda chosen, _last: _plan_with(c, chosen, budget, profile, tier, device, tried,
-                                                              tiling, max_tile_bytes),
-                             on_fail=failed)
+    def on_joint(joint, joint_inputs, kw, cparams):
+        done["c"] = compile_joint(joint, joint_inputs, kw, _partition_fn, request(cparams))
+        return done["c"].graphs["forward"], done["c"].graphs["backward"]
 
+    def on_inference(gm, cparams):
+        done["c"] = compile_inference(gm, request(cparams))
+        return gm
 
-def _what(chosen: list[CapturedParam], n_params: int) -> str:
-    return "all resident" if not chosen else f"{len(chosen)} of {n_params} managed"
-
-
-def _plan_with(c: Captured, chosen: list[CapturedParam], budget, profile, tier, device, tried,
-               tiling: str = "auto", max_tile_bytes: int | None = None) -> OfflinePlan:
-    """Plan one choice of managed parameters as the backend does: weights too large to gather
-    whole in tiles, NVMe shards fetched ahead of their gathers or, when that breaks the budget,
-    gathered just in time."""
-    import dataclasses
-
-    from zinf_compile.config import tier_frees_device
-    from zinf_compile.passes.params import param_meta
-    from zinf_compile.pipeline import fit_tiled, plan_graphs, tile_choices
-    from zinf_compile.planner import managed_params, tiled_ops_of, with_param_actions
-
-    frees = tier_frees_device(tier, profile.device)  # planned for the target, as plan_graphs does
-    managed = {p.index: param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad)
-               for p in chosen}
-    graphs, _ = c.partition(managed)
-    what = _what(chosen, len(c.params))
-
-    def finish(graphs, _reports):
-        facts, plan = plan_graphs(graphs, c.num_fwd_outputs, budget, profile, tier, device=device)
-        mp = managed_params(graphs.values(), 1)
-        if mp:
-            plan = with_param_actions(plan, facts, mp, profile)
-        tiles = tiled_ops_of(graphs)
-        if tiles:
-            plan = dataclasses.replace(plan, tiles=tiles)
-        n_tiled = len({t.param for t in tiles})
-        return OfflinePlan(facts, plan, graphs, tuple(chosen),
-                           (*tried, what + (f", {n_tiled} weight(s) tiled" if n_tiled else "")))
-
-    choices = tile_choices(graphs, c.num_fwd_outputs, tiling, max_tile_bytes, budget, None, profile, tier,
-                           device) if managed else [{}]
-
-    def failed(tiles, ahead, _e):
-        how = [f"{len(tiles)} weight(s) tiled"] * bool(tiles) + ["fetched ahead"] * ahead
-        if how:  # a choice's last failure is the caller's to report
-            tried.append(f"{what}, {', '.join(how)}: over budget")
-
-    return fit_tiled(graphs, choices, finish,
-                     (lambda gs, aware: _prefetch_gathers(gs, tier, profile))
-                     if managed and tier == "nvme" else None, on_fail=failed)[1]
-
-
-def _prefetch_gathers(graphs: dict[str, fx.GraphModule], tier: str, profile) -> list:
-    """As the backend (one rank offline; buffered I/O, the default: on a CPU target the gathers map
-    the files, and on a GPU a fetched shard lands in host memory, so no fetch holds device memory
-    and fit_tiled makes no room-aware try)."""
-    from zinf_compile.planner import prefetch_param_gathers
-
-    reports = prefetch_param_gathers([gm.graph for gm in graphs.values()], profile, tier, profile.device,
-                                     mapped=profile.device == "cpu")
-    for gm in graphs.values():
-        gm.recompile()
-    return reports
+    c = trace(factory, kwargs, inference=inference, on_joint=on_joint, on_inference=on_inference)
+    compiled = done["c"]
+    managed = tuple(p for p in c.params if p.index in compiled.managed)
+    return OfflinePlan(compiled.plan, compiled.graphs, managed, c.params, dict(compiled.seconds), c.num_fwd_outputs)

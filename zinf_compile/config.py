@@ -51,6 +51,8 @@ class ZinfConfig:
     # managed weight larger than n into tiles of at most n bytes.
     tiling: str = "auto"
     max_tile_bytes: int | None = None
+    # ZINF_DISABLE_PASSES=name,name: passes the driver skips (debugging only: a plan may then not hold)
+    disabled_passes: tuple[str, ...] = ()
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
                "malloc_mmap_threshold", "cache", "params", "master_dtype", "tiling")
@@ -131,6 +133,7 @@ class ZinfConfig:
             master_dtype=master,
             tiling=tiling,
             max_tile_bytes=max_tile,
+            disabled_passes=tuple(sorted(filter(None, os.environ.get("ZINF_DISABLE_PASSES", "").split(",")))),
         )
 
     def tier_for(self, device_type: str) -> str:

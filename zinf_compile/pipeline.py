@@ -1,207 +1,233 @@
-"""The driver: graphs -> facts -> plan -> passes (verified after each) -> record and dumps."""
+"""The driver: every pass of a compile, in order, for training, inference and offline planning.
+
+    training (AOT's joint graph)               inference (Inductor's post-grad graph)
+    insert-gathers   every candidate parameter  insert-gathers
+    reduce-grads
+    partition        -> forward, backward
+    drop-reduced-outputs
+    sink-gathers                                sink-gathers
+        analyse; planner A+B: managed parameters, tiles
+    keep-resident    the others                 keep-resident
+    allreduce-grads  (several ranks)
+    tile-matmuls                                tile-matmuls
+        analyse; planner C: fetches, activation moves -> the Plan
+    insert-offloads                             insert-offloads
+    fetch-ahead                                 fetch-ahead
+    (pin-order runs later, in Inductor's post-grad hook, on each graph)
+
+The backend's hooks and `zinf plan` call `compile_joint` / `compile_inference`; nothing else lists
+passes. After every pass the driver lints the graphs, runs the verifier's invariants, times the
+pass and (with ZINF_DUMP_DIR) dumps the graphs; after the last, the re-analysed peak must be within
+the budget. A pass named in ZINF_DISABLE_PASSES is skipped (debugging only).
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Callable
 
-import torch
 import torch.fx as fx
 
 from zinf_compile import records
-from zinf_compile.analysis.facts import GraphSpec, analyze
-from zinf_compile.config import tier_frees_device
-from zinf_compile.cost import load_profile, step_cost
-from zinf_compile.planner import choose_tiles, make_plan, managed_params, tiled_ops_of, with_param_actions
-from zinf_compile.runtime.params import world
+from zinf_compile.analysis import analyze, graph_specs
+from zinf_compile.analysis.params import param_facts
+from zinf_compile.cost import DeviceProfile, step_cost
+from zinf_compile.ir import ParamMeta
+from zinf_compile.plan import Plan
+from zinf_compile.planner import (DeviceModel, decide_params, decide_tiles, make_plan, managed_floor,
+                                  resident_timeline, tiled_ops)
+
+Graphs = dict[str, fx.GraphModule]
 
 
-def graph_specs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> list[GraphSpec]:
-    """Specs for an inference graph, or a forward/backward pair linked by the saved tensors."""
-    if "inference" in graphs:
-        return [GraphSpec("inference", graphs["inference"])]
-    fw, bw = graphs["forward"], graphs["backward"]
-    fw_out = next(iter(fw.graph.find_nodes(op="output")))
-    flat: list = []
-    fx.node.map_arg(fw_out.args[0], flat.append)
-    # AOT autograd hands the saved tensors to the backward by position: the forward's outputs after
-    # the user's are the saved tensors (then symints), and the backward's tensor placeholders start
-    # with the same tensors in the same order (after symints), then the tangents.
-    saved_fw = [n for n in flat[num_fwd_outputs:] if isinstance(n.meta.get("val"), torch.Tensor)]
-    bw_tensors = [p for p in bw.graph.find_nodes(op="placeholder")
-                  if isinstance(p.meta.get("val"), torch.Tensor)]
-    saved = dict(zip(bw_tensors[:len(saved_fw)], saved_fw))
-    return [GraphSpec("forward", fw, num_user_outputs=num_fwd_outputs), GraphSpec("backward", bw, saved=saved)]
+@dataclass(frozen=True)
+class Request:
+    """Everything a compile's decisions depend on, as plain values."""
+
+    profile: DeviceProfile
+    model: DeviceModel
+    budget: int | None = None  # bytes; None with `budget_fraction`
+    budget_fraction: float | None = None  # a share of the graphs' peak with every parameter resident
+    params_mode: str = "auto"
+    # (placeholder index, meta, managed already) of each parameter zinf may manage
+    candidates: tuple[tuple[int, ParamMeta, bool], ...] = ()
+    allreduce: tuple[int, ...] = ()  # primal indices whose gradients are averaged if kept resident
+    group: str | None = None  # the process group's name (several ranks)
+    tiling: str = "auto"
+    max_tile_bytes: int | None = None
+    engine_key: int = 0
+    verify: bool = True
+    dump_dir: str | None = None
+    disabled: frozenset[str] = frozenset()
+    trace_device: str | None = None  # where the traced tensors are, when not the model's device (offline)
 
 
-def plan_graphs(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget: int, profile, tier: str,
+@dataclass
+class Compiled:
+    graphs: Graphs
+    plan: Plan
+    managed: frozenset[int]  # the pids the plan manages
+    reports: list = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # per pass, and "analyse+plan"
+    simulated_peak: int | None = None
+    record: records.CompileRecord | None = None
+
+
+class _Driver:
+    def __init__(self, req: Request, nfo: int) -> None:
+        from zinf_compile.passes import PassContext
+
+        self.req = req
+        self.ctx = PassContext(num_fwd_outputs=nfo, engine_key=req.engine_key)
+        self.reports: list = []
+        self.seconds: dict[str, float] = {}
+        self.dumps: list[tuple[str, dict[str, str]]] = []
+
+    def run(self, graphs: Graphs, passes) -> None:
+        from zinf_compile.passes.verifier import check_invariants
+
+        for p in passes:
+            if p.name in self.req.disabled:
+                continue
+            t0 = time.perf_counter()
+            report = p.apply(graphs, self.ctx)
+            for gm in graphs.values():
+                gm.graph.lint()
+                gm.recompile()
+            self.seconds[p.name] = self.seconds.get(p.name, 0.0) + time.perf_counter() - t0
+            self.reports.append(report)
+            if self.req.verify:
+                check_invariants(graphs, self.ctx, p.name)
+            if self.req.dump_dir:
+                self.dumps.append((p.name, {r: gm.print_readable(print_output=False) for r, gm in graphs.items()}))
+
+    def facts(self, graphs: Graphs):
+        return analyze(graph_specs(graphs, self.ctx.num_fwd_outputs), device=self.req.trace_device or self.req.model.device,
+                       step_cost=step_cost(self.req.profile))
+
+
+def compile_joint(joint: fx.GraphModule, joint_inputs, kwargs: dict, partition_fn: Callable, req: Request) -> Compiled:
+    """AOT's joint graph -> planned forward and backward graphs."""
+    from zinf_compile.passes import DropReducedOutputs, InsertGathers, ReduceGrads, SinkGathers, partition_pass
+
+    d = _Driver(req, kwargs["num_fwd_outputs"])
+    graphs: Graphs = {"joint": joint}
+    cands = tuple((i, m) for i, m, _ in req.candidates)
+    d.run(graphs, [InsertGathers(cands, recompute=True, world=req.model.world, group=req.group),
+                   ReduceGrads(cands, world=req.model.world, group=req.group),
+                   partition_pass(partition_fn, joint_inputs, kwargs),
+                   *([DropReducedOutputs()] if cands else []), SinkGathers()])
+    return _plan_and_apply(d, graphs)
+
+
+def compile_inference(gm: fx.GraphModule, req: Request) -> Compiled:
+    """An inference graph, planned in place."""
+    from zinf_compile.passes import InsertGathers, SinkGathers
+
+    d = _Driver(req, -1)
+    graphs: Graphs = {"inference": gm}
+    cands = tuple((i, dataclasses.replace(m, requires_grad=False)) for i, m, _ in req.candidates)
+    d.run(graphs, [InsertGathers(cands, world=req.model.world, group=req.group), SinkGathers()])
+    return _plan_and_apply(d, graphs)
+
+
+def _plan_and_apply(d: _Driver, graphs: Graphs) -> Compiled:
+    from zinf_compile.passes import AllReduceGrads, FetchAhead, InsertOffloads, KeepResident, TileMatmuls
+    from zinf_compile.passes.tiling import merged_candidates, split_bounds
+    from zinf_compile.passes.verifier import check_budget
+
+    req = d.req
+    t0 = time.perf_counter()
+    facts = d.facts(graphs)
+    pfacts = param_facts(facts, req.model.world)
+    budget = req.budget
+    if req.budget_fraction is not None or budget is None:
+        budget = int(resident_timeline(facts, pfacts).max() * (req.budget_fraction or 1.0))
+    forced = frozenset(m.pid for _, m, already in req.candidates if already)
+    managed = decide_params(facts, pfacts, budget, req.params_mode, forced)
+    decisions = [_params_decision(facts, pfacts, managed, forced, budget, req.params_mode)] if pfacts else []
+    counts: dict[int, int] = {}
+    tiles = ()
+    if managed and req.model.world == 1 and req.tiling != "off":
+        kept = {pid: pf for pid, pf in pfacts.items() if pid in managed}
+        cands = {pid: c for pid, c in merged_candidates(gm for gm in graphs.values()).items() if pid in managed}
+        floor = managed_floor(facts, pfacts, managed)
+        counts = decide_tiles(facts, floor, budget, cands, kept, req.profile, req.model.tier, req.tiling,
+                              req.max_tile_bytes)
+        tiles = tiled_ops(cands, counts, {gm.graph: role for role, gm in graphs.items()})
+    d.seconds["decide"] = time.perf_counter() - t0
+    resident = frozenset(pfacts) - managed
+    allreduce = tuple(sorted(set(req.allreduce) | {i for i, m, _ in req.candidates
+                                                   if m.pid in resident and m.requires_grad}))
+    d.run(graphs, [KeepResident(resident),
+                   *([AllReduceGrads(allreduce, req.model.world, req.group)]
+                     if req.model.world > 1 and "backward" in graphs else []),
+                   TileMatmuls(tuple((pid, tuple(split_bounds(cands[pid].rows, n))) for pid, n in sorted(counts.items())))
+                   if counts else TileMatmuls()])
+    t0 = time.perf_counter()
+    facts = d.facts(graphs)
+    pfacts = {pid: pf for pid, pf in param_facts(facts, req.model.world).items() if pid in managed}
+    plan = make_plan(facts, budget, req.profile, req.model.tier, device=req.model.device, params=pfacts,
+                     model=req.model, tiles=tiles)
+    if req.trace_device and req.trace_device != req.model.device:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"traced on {req.trace_device}, planned for "
+                                                             f"{req.profile.name}"))
+    if counts:
+        decisions.append(f"tiles: {len(counts)} weight(s) tiled ({', '.join(f'{pfacts[p].name} x{n}' for p, n in sorted(counts.items()))})")
+    plan = dataclasses.replace(plan, notes=(*decisions, *plan.notes))
+    d.seconds["plan"] = time.perf_counter() - t0
+    d.ctx.plan, d.ctx.facts = plan, facts
+    d.run(graphs, [InsertOffloads(), FetchAhead(req.model.fetch_holds_memory)])
+    peak = check_budget(graphs, d.ctx, plan) if req.verify else None
+    if not req.model.frees_device and plan.moves():
+        warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "
+                      "RAM); the plan still runs. Use offload='nvme' to lower the peak.", stacklevel=2)
+    out = Compiled(graphs, plan, managed, d.reports, d.seconds, peak)
+    if req.engine_key or req.dump_dir:
+        out.record = records.add(plan, d.reports, graphs, peak)
+        if req.dump_dir:
+            _dump(req.dump_dir, out.record, d)
+    return out
+
+
+def _params_decision(facts, pfacts, managed, forced, budget: int, mode: str) -> str:
+    """One line saying which parameters the planner manages, and why."""
+    from zinf_compile.units import format_bytes
+
+    floor = int(managed_floor(facts, pfacts, frozenset(forced)).max()) if len(facts.steps) else 0
+    what = f"{len(managed)} of {len(pfacts)} candidate parameter(s) managed"
+    if mode != "auto":
+        return f"parameters ({mode}): {what}"
+    if not managed - forced:
+        return f"parameters (auto): all resident fit (floor {format_bytes(floor)} <= budget {format_bytes(budget)})"
+    return (f"parameters (auto): all resident need {format_bytes(floor)} > budget {format_bytes(budget)}; {what}, "
+            "largest first")
+
+
+def _dump(dump_dir: str, rec, d: _Driver) -> None:
+    folder = os.path.join(dump_dir, f"compile-{os.getpid()}-{rec.index:03d}")
+    os.makedirs(folder, exist_ok=True)
+    rec.plan.save(os.path.join(folder, "plan.json"))
+    for i, (name, texts) in enumerate(d.dumps):
+        for role, text in texts.items():
+            with open(os.path.join(folder, f"{i:02d}-{name}.{role}.txt"), "w") as f:
+                f.write(text)
+    with open(os.path.join(folder, "passes.txt"), "w") as f:
+        for name, s in d.seconds.items():
+            f.write(f"{name}: {s:.4f} s\n")
+        for r in d.reports:
+            f.write(f"{r}\n" + "".join(f"  {c}\n" for c in r.changes))
+
+
+def plan_graphs(graphs: Graphs, num_fwd_outputs: int, budget: int, profile: DeviceProfile, tier: str,
                 device: str = "cpu"):
-    """Facts and plan for captured graphs, rewriting nothing (the offline `zinf plan`)."""
+    """Facts and plan for graphs as they are (no parameter managed), rewriting nothing."""
     facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
     # traced on `device`, planned for the target: its device decides what a tier frees
     plan = make_plan(facts, budget, profile, tier, device=profile.device)
     if profile.device != device:
         plan = dataclasses.replace(plan, notes=(*plan.notes, f"traced on {device}, planned for {profile.name}"))
     return facts, plan
-
-
-def copy_graphs(graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:
-    import copy
-
-    with warnings.catch_warnings():  # torch's pytree warns about its own specs while they are copied
-        warnings.simplefilter("ignore", FutureWarning)
-        return {k: copy.deepcopy(m) for k, m in graphs.items()}
-
-
-def tile_choices(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, tiling: str, max_tile_bytes: int | None,
-                 budget: int | None, budget_fraction: float | None, profile, tier: str, device: str) -> list[dict]:
-    """The tilings to try, in order (pid -> row ranges; {}: none): the planner's choice
-    (planner.choose_tiles), then twice and four times as many tiles in case the plan of the tiled
-    graphs still does not fit (the choice is an estimate: a tiled op's output, say, is not in it)."""
-    from zinf_compile.passes.tiling import candidates, split_bounds
-
-    if tiling == "off":
-        return [{}]
-    cands: dict = {}
-    for gm in graphs.values():
-        for pid, c in candidates(gm.graph).items():
-            cands[pid] = c if pid not in cands else dataclasses.replace(
-                cands[pid], uses=cands[pid].uses + c.uses, grads=cands[pid].grads + c.grads,
-                others=cands[pid].others + c.others, k_bytes=cands[pid].k_bytes + c.k_bytes)
-    if not cands:
-        return [{}]
-    if tiling == "force":
-        counts = choose_tiles(None, 0, cands, profile, tier, max_tile_bytes)  # type: ignore[arg-type]
-        return [{pid: split_bounds(cands[pid].rows, n) for pid, n in counts.items()}]
-    facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
-    if budget_fraction is not None:
-        budget = int(facts.peak * budget_fraction)
-    counts = choose_tiles(facts, int(budget), cands, profile, tier)
-    if not counts:
-        return [{}]
-    out: list[dict] = []
-    from zinf_compile.planner import MAX_TILES
-
-    for f in (1, 2, 4):
-        choice = {pid: split_bounds(cands[pid].rows, min(n * f, MAX_TILES)) for pid, n in counts.items()}
-        if choice not in out:
-            out.append(choice)
-    return out
-
-
-def room_by_node(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, budget: int | None,
-                 budget_fraction: float | None, device: str, profile) -> dict[fx.Node, int]:
-    """Each step's node -> the budget less the bytes live there without any plan. A plan only
-    takes bytes away from that timeline (an offload frees a tensor for part of its life), so
-    whatever holds no more than this at a step keeps the step within the budget."""
-    facts = analyze(graph_specs(graphs, num_fwd_outputs), device=device, step_cost=step_cost(profile))
-    if budget_fraction is not None:
-        budget = int(facts.peak * budget_fraction)
-    if budget is None:
-        return {}
-    return {st.node: int(budget - facts.live[i]) for i, st in enumerate(facts.steps)}
-
-
-def fit_tiled(graphs: dict[str, fx.GraphModule], choices: list[dict], attempt, prefetch=None, reports=(),
-              on_fail=None, room_aware: bool = False):
-    """Plan the first tiling in `choices` that fits: each tiles a copy of `graphs` (TileParams),
-    then, with `prefetch` (prefetch(graphs, aware) -> reports: fetch shards ahead), tries on a copy
-    fetching every shard as far ahead as hides its read; where that breaks the budget and a fetched
-    shard holds device memory (`room_aware`), fetching only over steps with room for it
-    (aware=True; None when that changes nothing); else gathering just in time.
-    attempt(graphs, reports) plans and raises BudgetError when they do not fit; on_fail(tiles,
-    fetched_ahead, error) hears of each failure. Returns (the graphs planned, attempt's result);
-    raises the last BudgetError."""
-    from zinf_compile.errors import BudgetError
-    from zinf_compile.passes.tiling import TileParams
-
-    err: BudgetError | None = None
-    for tiles in choices:
-        done = list(reports)
-        g = graphs
-        if tiles:
-            g = copy_graphs(graphs)
-            for gm in g.values():
-                done.append(TileParams()(gm.graph, tiles))
-                gm.recompile()
-
-        def ahead(aware: bool, g=g, done=done):
-            trial = copy_graphs(g)
-            rep = prefetch(trial, aware)
-            return None if rep is None else (trial, done + rep)
-
-        tries = [(lambda: (g, done), False)]
-        if prefetch is not None:  # on copies: the graphs just in time stay as they are
-            tries[:0] = [(lambda: ahead(False), True)] + [(lambda: ahead(True), True)] * room_aware
-        for make, fetched in tries:
-            made = make()
-            if made is None:
-                continue
-            gs, rep = made
-            try:
-                return gs, attempt(gs, rep)
-            except BudgetError as e:
-                err = e
-                if on_fail is not None:
-                    on_fail(tiles, fetched, e)
-    assert err is not None
-    raise err
-
-
-def plan_and_rewrite(session, graphs: dict[str, fx.GraphModule], num_fwd_outputs: int, pre_reports=()):
-    from zinf_compile.passes import PIPELINE, PassContext, verify
-
-    cfg = session.cfg
-    specs = graph_specs(graphs, num_fwd_outputs)
-    profile = load_profile(cfg.profile, session.device)
-    t0 = time.perf_counter()
-    try:
-        facts = analyze(specs, device=session.device, step_cost=step_cost(profile))
-        budget = session.budget
-        if cfg.budget_fraction is not None:
-            budget = int(facts.peak * cfg.budget_fraction)
-        plan = make_plan(facts, budget, profile, session.tier)
-        params = managed_params(graphs.values(), world()[1])
-        if params:
-            plan = with_param_actions(plan, facts, params, profile)
-        tiles = tiled_ops_of(graphs)
-        if tiles:
-            plan = dataclasses.replace(plan, tiles=tiles)
-        ctx = PassContext(graphs=graphs, facts=facts, plan=plan, engine_key=session.engine_key)
-        before = {role: gm.print_readable(print_output=False) for role, gm in graphs.items()} if cfg.dump_dir else {}
-        reports, peak = list(pre_reports), None
-        for p in PIPELINE:
-            reports.append(p(ctx))
-            if cfg.verify:
-                peak = verify(ctx, num_fwd_outputs, p.name)
-    except BaseException:
-        eng = session.engine
-        if eng.live_tickets() == 0 and (eng._swap is None or eng._swap.file_count() == 0):
-            # leave no empty swap folder behind a failed compile (a BudgetError is also how a
-            # parameter choice is retried); a folder holding any file (parameter shards, optimizer
-            # states) stays: its descriptors are in use
-            eng.close()
-        raise
-    if not tier_frees_device(session.tier, session.device) and plan.moves():
-        warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "
-                      "RAM); the plan still runs. Use offload='nvme' to lower the peak.", stacklevel=2)
-    rec = records.add(plan, reports, graphs, peak)
-    if cfg.dump_dir:
-        _dump(cfg.dump_dir, rec, before, time.perf_counter() - t0)
-    return plan
-
-
-def _dump(dump_dir: str, rec, before: dict[str, str], seconds: float) -> None:
-    d = os.path.join(dump_dir, f"compile-{os.getpid()}-{rec.index:03d}")
-    os.makedirs(d, exist_ok=True)
-    rec.plan.save(os.path.join(d, "plan.json"))
-    for role, gm in rec.graphs.items():
-        with open(os.path.join(d, f"{role}.before.txt"), "w") as f:
-            f.write(before.get(role, ""))
-        with open(os.path.join(d, f"{role}.after.txt"), "w") as f:
-            f.write(gm.print_readable(print_output=False))
-    with open(os.path.join(d, "passes.txt"), "w") as f:
-        f.write(f"planned and rewritten in {seconds:.3f} s\n")
-        for r in rec.reports:
-            f.write(f"{r}\n" + "".join(f"  {c}\n" for c in r.changes))

@@ -122,6 +122,10 @@ class Plan:
         """The activation actions (offload/prefetch/wait), without the parameters' ones."""
         return tuple(a for a in self.actions if a.group >= 0)
 
+    def fetches(self) -> tuple[Action, ...]:
+        """The parameters' shard reads started ahead of their gathers."""
+        return tuple(a for a in self.actions if a.kind == "fetch")
+
     def is_empty(self) -> bool:
         return not self.actions
 

@@ -1,58 +1,358 @@
-"""The planner: (graph facts, budget, profile, tier) -> Plan. Decides; never rewrites.
+"""The planner: facts, budget, device model and profile -> decisions. Decides; never rewrites.
 
-1. If the timeline fits the budget, the plan is empty.
-2. The lower bound is the peak with every gap used and every prefetch just in time. Above the
-   budget, no plan exists: BudgetError names both numbers.
-3. Greedy cover: take gaps by bytes x length (big tensors away for long, cheapest per byte freed),
-   each only if it frees memory at a step still over the budget. Then drop any gap the others
-   make unnecessary (last taken first).
-4. Prefetch distance: move each prefetch earlier until the read is hidden under the compute of the
-   steps it spans, while the timeline stays within the budget.
-5. Simulate: compute and the I/O channel in time; a wait whose read is not done stalls.
-Deterministic: every choice breaks ties by step and buffer id.
+Every lever is decided here from facts, in this order, each on the timeline the earlier ones leave:
+
+A. Parameters (`decide_params`), on the facts of graphs where every candidate is gathered: the
+   timeline of any choice is the analysed one plus, for each parameter kept resident, its
+   `ParamFact.resident_delta`. "auto" keeps all resident when what no offload can free (the floor)
+   fits; else manages the largest first until it fits, then drops those the others make
+   unnecessary (as the activation cover does).
+B. Tiles (`decide_tiles`): where a step reading a weight whole cannot fit, the least count of row
+   tiles that fits, then the cheapest up to 4x that; the tiled timeline is modelled (the whole
+   weight and its whole gradient replaced by the tiles live at their matmuls), and twice and four
+   times as many tiles are taken where the model still does not fit.
+C. `make_plan`, on the facts of the rewritten graphs:
+   1. Fetches: each NVMe shard read starts as far ahead of its gather as hides it (never past the
+      previous read of the same graph), where a fetched shard holds device memory only over steps
+      with room for it above the floor.
+   2. If the timeline fits the budget, no activation moves. The lower bound is the floor's peak
+      (every gap used, every prefetch just in time); above the budget no plan exists: BudgetError
+      names both numbers.
+   3. Greedy cover: gaps by bytes x length, each only if it frees memory at a step still over the
+      budget; then drop any gap the others make unnecessary (last taken first).
+   4. Prefetch distance (one walk for activations and shards, `_ahead`): back from the use until
+      the read is hidden under the compute of the steps it spans, within the budget.
+   5. Simulate: compute and one I/O channel in time; a wait or gather whose read is not done
+      stalls; writes are synchronous.
+Deterministic: every choice breaks ties by step, buffer id and parameter id.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
+from zinf_compile import ir
 from zinf_compile.analysis.facts import Gap, GraphFacts, paused_gc
+from zinf_compile.analysis.params import ParamFact, buffer_index, parameter_reads
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
 from zinf_compile.errors import BudgetError
 from zinf_compile.plan import PLAN_VERSION, Action, ManagedParam, Plan, Step, TensorLife, TiledOp
 
+# Parameters smaller than this stay resident when zinf manages parameters (the bookkeeping and the
+# latency of a gather outweigh the bytes; DeepSpeed's stage3_param_persistence_threshold is the same idea)
+PERSIST_BYTES = 64 << 10
+TILE_OVERHEAD_S = 50e-6  # one tile's fixed cost: an op dispatch, a read request, a kernel launch
+MAX_TILES = 64  # past this a matmul is all overhead; a weight that needs more tiles is not tiled
+TILE_RETRY_FACTORS = (1, 2, 4)  # more tiles where the modelled timeline still does not fit
+SHOWN_TENSORS = 2000  # the plan lists every tensor of smaller graphs, the largest of bigger ones
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What the runtime does, as the planner needs it; computed once per compile (the session's
+    engine, or the target offline)."""
+
+    device: str  # "cpu" | "cuda": where the graphs compute
+    tier: str  # where managed parameters and offloaded activations go
+    world: int = 1
+    maps_files: bool = False  # gathers map the shard files (a CPU device, buffered I/O)
+
+    @property
+    def frees_device(self) -> bool:
+        return tier_frees_device(self.tier, self.device)
+
+    @property
+    def fetch_holds_memory(self) -> bool:
+        """A shard fetched ahead is device memory until its gather: not where the gather maps the
+        file (the fetch is the kernel's read-ahead), nor on a GPU (it lands in host memory)."""
+        return not (self.maps_files or tier_frees_device("cpu", self.device))
+
+
+# -- A. parameters --------------------------------------------------------------------------------
 
 @paused_gc
-def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None) -> Plan:
-    """`device`: the device the plan is for (default: the graphs'); the CPU tier frees nothing
-    when it is the CPU."""
+def decide_params(facts: GraphFacts, params: dict[int, ParamFact], budget: int, mode: str,
+                  forced: frozenset[int] = frozenset()) -> frozenset[int]:
+    """Which of `params` (all managed in the analysed graphs) stay managed. `forced`: managed
+    already (an earlier compile took them over). "offload": all; "resident": only the forced;
+    "auto": the fewest, largest first, whose management brings the floor within the budget, or
+    all of them when none does."""
+    if mode == "offload" or not params:
+        return frozenset(params)
+    if mode == "resident":
+        return frozenset(p for p in params if p in forced)
+    n = len(facts.steps)
+    deltas = {pid: pf.resident_delta(n, floor=True) for pid, pf in params.items() if pid not in forced}
+    floor = _floor(facts).copy()
+    for d in deltas.values():
+        floor += d
+    if not len(floor) or floor.max() <= budget:
+        return frozenset(forced)
+    chosen: list[int] = []
+    for pid in sorted(deltas, key=lambda p: (-params[p].nbytes, p)):
+        floor -= deltas[pid]
+        chosen.append(pid)
+        if floor.max() <= budget:
+            break
+    else:
+        return frozenset(params)
+    for pid in reversed(list(chosen)):  # drop what the others make unnecessary, last taken first
+        if (floor + deltas[pid]).max() <= budget:
+            floor += deltas[pid]
+            chosen.remove(pid)
+    return frozenset(chosen) | forced
+
+
+def resident_timeline(facts: GraphFacts, params: dict[int, ParamFact]) -> np.ndarray:
+    """The live timeline with every parameter resident: the graphs as compiled without zinf (the
+    base of a budget given as a share)."""
+    live = facts.live.astype(np.int64).copy()
+    for pf in params.values():
+        live += pf.resident_delta(len(live), floor=False)
+    return live
+
+
+def managed_floor(facts: GraphFacts, params: dict[int, ParamFact], managed: frozenset[int]) -> np.ndarray:
+    floor = _floor(facts).copy()
+    for pid, pf in params.items():
+        if pid not in managed:
+            floor += pf.resident_delta(len(floor), floor=True)
+    return floor
+
+
+def _floor(facts: GraphFacts) -> np.ndarray:
+    return facts.floor if facts.floor is not None else facts.live
+
+
+# -- B. tiles -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileChoice:
+    pid: int
+    count: int
+
+
+def choose_tiles(floor: np.ndarray | None, step_of: dict, budget: int, cands: dict, profile: DeviceProfile,
+                 tier: str, max_tile_bytes: int | None = None) -> dict[int, int]:
+    """How many row tiles each candidate weight gets (pid -> count; absent: not tiled).
+
+    `cands`: pid -> passes.tiling.Candidate. With `max_tile_bytes`, every weight larger than that,
+    in tiles no larger. Otherwise only the weights whose matmuls stand at a step where the floor is
+    over the budget: at such a step i, tiling takes the whole weight (or its whole gradient) off
+    the floor and puts back k tiles of it (the one in use and the next, fetched ahead; one for a
+    gradient tile), so it needs k * W / T <= budget - (floor[i] - W). The count is the one with the
+    least predicted time between that least count and 4x it: each tile costs TILE_OVERHEAD_S; the
+    first tile's read is not hidden by an earlier tile; a K split re-reads and re-writes its float32
+    sum once per tile."""
+    out: dict[int, int] = {}
+    if max_tile_bytes is not None:
+        for pid, c in cands.items():
+            if c.nbytes > max_tile_bytes:  # forced: as asked, up to one row per tile
+                out[pid] = min(c.rows, -(-c.nbytes // max_tile_bytes))
+        return out
+    if floor is None or not len(floor) or floor.max() <= budget:
+        return out
+    for pid, c in sorted(cands.items()):
+        need = 1
+        for m in (*c.uses, *c.grads):
+            i = step_of.get(m)
+            if i is None or floor[i] <= budget:
+                continue
+            k = 2 if m in c.uses else 1
+            room = budget - (int(floor[i]) - c.nbytes)
+            # no room even without the weight: tiling it cannot make this step fit
+            need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else MAX_TILES + 1)
+        if need <= 1 or need > min(MAX_TILES, c.rows):
+            continue
+
+        def cost(t, c=c):
+            return (t * TILE_OVERHEAD_S + profile.transfer_time(c.nbytes // t, tier, "in")
+                    + (t - 1) * 2 * c.k_bytes / profile.mem_bw)
+
+        top = min(c.rows, 4 * need, MAX_TILES)
+        out[pid] = min(range(min(need, c.rows), top + 1), key=lambda t: (cost(t), t))
+    return out
+
+
+def tiled_floor(facts: GraphFacts, floor: np.ndarray, cands: dict, counts: dict[int, int],
+                params: dict[int, ParamFact]) -> np.ndarray:
+    """The floor once the weights in `counts` are tiled: a tiled weight is no longer gathered whole
+    (unless something else reads the whole gather) and its gradient never whole; k tiles of it are
+    live at each of its matmuls (the one in use and the next; one gradient tile)."""
+    where = buffer_index(facts)
+    out = floor.copy()
+    for pid, k in counts.items():
+        c = cands[pid]
+        if not c.others and pid in params:
+            for iv in params[pid].gathered_floor:
+                out[iv.start:iv.end + 1] -= iv.nbytes
+        tile = -(-c.nbytes // k)
+        for m in c.uses:
+            if m in facts.step_of:
+                out[facts.step_of[m]] += 2 * tile
+        for m in c.grads:
+            if m in facts.step_of and m in where:
+                b = facts.buffers[where[m]]
+                out[max(b.def_step, 0):b.end_step + 1] -= b.nbytes
+                out[facts.step_of[m]] += tile
+    return out
+
+
+def decide_tiles(facts: GraphFacts, floor: np.ndarray, budget: int, cands: dict, params: dict[int, ParamFact],
+                 profile: DeviceProfile, tier: str, mode: str = "auto",
+                 max_tile_bytes: int | None = None) -> dict[int, int]:
+    """The tile counts (pid -> count): `choose_tiles`, then twice and four times as many (at most
+    MAX_TILES) where the modelled floor is still over the budget; the first that fits, else the
+    last tried (make_plan then names the lower bound)."""
+    if mode == "off" or not cands:
+        return {}
+    counts = choose_tiles(floor, facts.step_of, budget, cands, profile, tier,
+                          max_tile_bytes if mode == "force" else None)
+    if mode == "force" or not counts:
+        return counts
+    tried = counts
+    for f in TILE_RETRY_FACTORS:
+        tried = {pid: min(n * f, MAX_TILES, cands[pid].rows) for pid, n in counts.items()}
+        if tiled_floor(facts, floor, cands, tried, params).max() <= budget:
+            return tried
+    return tried
+
+
+def tiled_ops(cands: dict, counts: dict[int, int], roles: dict) -> tuple[TiledOp, ...]:
+    """The plan's record of the tiled matmuls: one per matmul of each tiled weight.
+    `roles`: fx.Graph -> its role."""
+    from zinf_compile.passes.tiling import MATMULS
+
+    out = []
+    for pid, k in sorted(counts.items()):
+        c = cands[pid]
+        rows = -(-c.rows // k)
+        shape, tile_nbytes = (rows, *c.shape[1:]), rows * (c.nbytes // c.rows)
+        for m, axis in c.axes:
+            out.append(TiledOp(roles.get(m.graph, "?"), m.name, MATMULS[m.target], axis, k, c.name, m in c.grads,
+                               shape, tile_nbytes))
+    return tuple(out)
+
+
+# -- C. fetches and activation moves ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fetch:
+    read_step: int  # the step that reads the shard (gather, tile rows, this rank's shard)
+    at: int  # the step the read starts before
+    buffer: int
+    pid: int
+    nbytes: int  # bytes read from the tier
+    held: int  # device bytes the fetched shard holds from `at` to `read_step`
+
+
+def _ahead(times: np.ndarray, use: int, lo: int, need: float, fits) -> int:
+    """The step a read that `use` waits for starts before: back from `use` over the steps'
+    compute until the read (`need` seconds) is hidden, never before `lo`, only over steps where
+    fits(step) (which may record that the data is there from then on)."""
+    p, hidden = use, 0.0
+    while p - 1 >= lo and hidden < need and fits(p - 1):
+        p -= 1
+        hidden += times[p]
+    return p
+
+
+def place_fetches(facts: GraphFacts, params: dict[int, ParamFact], floor: np.ndarray, budget: int,
+                  profile: DeviceProfile, model: DeviceModel) -> tuple[list[Fetch], int]:
+    """Each NVMe shard read started ahead of its gather (step C.1), and how many were started later
+    than hides them (or not at all) for want of room. Updates `floor` with what fetches hold."""
+    if model.tier != "nvme" or not params:
+        return [], 0
+    times = np.array([s.est_time_s for s in facts.steps], dtype=np.float64)
+    where = buffer_index(facts)
+    graph_start: dict[str, int] = {}
+    for st in facts.steps:
+        graph_start.setdefault(st.graph, st.index)
+    out: list[Fetch] = []
+    held_back = 0
+    prev: dict[str, int] = {}
+    for r in parameter_reads(facts):
+        st = facts.steps[r]
+        m = ir.meta(st.node)
+        pf = params.get(m.pid)
+        lo = max(prev.get(st.graph, graph_start[st.graph] - 1) + 1, graph_start[st.graph])
+        prev[st.graph] = r
+        if pf is None or st.node not in where:
+            continue
+        nbytes = pf.read_nbytes
+        if m.rows is not None:
+            rows = st.node.args[0].meta["val"].shape[0]
+            nbytes = nbytes * (m.rows[1] - m.rows[0]) // rows
+        held = nbytes if model.fetch_holds_memory else 0
+        if held and floor[r] + held > budget:
+            held_back += 1
+            continue  # no room where the fetched shard and the gathered weight meet
+        need = profile.transfer_time(nbytes, "nvme", "in")
+        at = _ahead(times, r, lo, need, lambda t: not held or floor[t] + held <= budget)
+        if at - 1 >= lo and times[at:r].sum() < need:
+            held_back += 1  # the walk stopped at a step without room
+        if at == r:
+            continue
+        floor[at:r] += held
+        out.append(Fetch(r, at, where[st.node], m.pid, nbytes, held))
+    return out, held_back
+
+
+@paused_gc
+def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str, device: str | None = None,
+              params: dict[int, ParamFact] | None = None, model: DeviceModel | None = None,
+              tiles: tuple[TiledOp, ...] = ()) -> Plan:
+    """The plan for analysed graphs (step C). `device`: the device the plan is for (default: the
+    graphs'); the CPU tier frees nothing when it is the CPU. `params`: the managed parameters in
+    the graphs (their reads fetched ahead on the NVMe tier, their actions in the plan); `model`:
+    the runtime's behaviour (default: the device and tier, one rank, files read)."""
     device = device or facts.device
+    params = params or {}
+    model = model or DeviceModel(device, tier)
     frees = tier_frees_device(tier, device)
     nbytes = {b.id: b.nbytes for b in facts.buffers}
+    floor = _floor(facts).astype(np.int64).copy()
+    fetches, held_back = place_fetches(facts, params, floor, budget, profile, model)
     live = facts.live.astype(np.int64).copy()
+    for f in fetches:
+        live[f.at:f.read_step] += f.held
+    lower_bound = int(floor.max()) if len(floor) else 0
     notes: list[str] = []
     chosen: list[Gap] = []
     if len(live) and live.max() > budget:
-        if facts.lower_bound > budget:
-            raise BudgetError(budget, facts.lower_bound, facts.lower_bound)
+        if lower_bound > budget:
+            raise BudgetError(budget, lower_bound, lower_bound)
         chosen = _cover(facts.gaps, nbytes, live, budget)
     prefetch_at = _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier)
     if any(b.size_expr.free_symbols for b in facts.buffers):
         notes.append("sizes are symbolic: planned at the size hints of the first compile; larger "
                      "shapes at run time need proportionally more memory")
+    if held_back:
+        notes.append(f"fetches: {held_back} shard read(s) started later than hides them, or just in time, "
+                     "for want of room")
     if not frees and chosen:
         notes.append("the CPU tier on a CPU device frees no memory: tensors stay in the same RAM. "
-                     "Use offload='nvme' to lower the peak.")
+                      "Use offload='nvme' to lower the peak.")
     actions = []
     for group, g in enumerate(chosen):
         n = nbytes[g.buffer]
         actions.append(Action("offload", g.buffer, g.after, tier, n, group))
         actions.append(Action("prefetch", g.buffer, prefetch_at[group], tier, n, group))
         actions.append(Action("wait", g.buffer, g.before, tier, n, group))
+    param_actions, reads, writes = _param_actions(facts, params, fetches, profile)
+    actions += param_actions
     actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
-    compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier)
-    moved = sum(2 * nbytes[g.buffer] for g in chosen)
+    compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier, reads, writes)
+    moved = {tier: sum(2 * nbytes[g.buffer] for g in chosen)} if chosen else {}
+    for a in param_actions:  # each gather reads its shard (or a tile's share) once, each reduce writes it
+        if a.kind in ("gather", "reduce"):
+            moved[a.tier] = moved.get(a.tier, 0) + _tier_bytes(a, params)
     after = live if frees else facts.live.copy()  # the CPU tier of a CPU device frees nothing
+    shown = {g.buffer for g in chosen} | {a.tensor for a in param_actions}
     return Plan(
         version=PLAN_VERSION,
         graphs=facts.graphs,
@@ -61,18 +361,75 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str,
         budget=int(budget),
         tier=tier,  # type: ignore[arg-type]
         steps=tuple(Step(s.index, s.graph, s.node.name, _op_name(s.node), s.est_time_s, s.flops) for s in facts.steps),
-        tensors=_tensor_lives(facts, {g.buffer for g in chosen}),
+        tensors=_tensor_lives(facts, shown),
         actions=tuple(actions),
         timeline_before=tuple(int(x) for x in facts.live),
         timeline_after=tuple(int(x) for x in after),
         peak_before=facts.peak,
         peak_after=int(after.max()) if len(after) else 0,
-        lower_bound=int(facts.lower_bound),
-        bytes_moved={tier: int(moved)} if moved else {},
+        lower_bound=lower_bound,
+        bytes_moved={k: int(v) for k, v in moved.items() if v},
         predicted_compute_s=compute_s,
         predicted_stall_s=stall_s,
         notes=tuple(notes),
+        params=tuple(ManagedParam(pid, pf.name, pf.nbytes, pf.read_nbytes, model.tier, model.world)  # type: ignore[arg-type]
+                     for pid, pf in sorted(params.items())),
+        tiles=tiles,
     )
+
+
+def _tier_bytes(a: Action, params: dict[int, ParamFact]) -> int:
+    """Bytes a gather or reduce moves from or to its tier (a tile's share of the shard)."""
+    pf = params[-1 - a.group]
+    return int(pf.read_nbytes * a.nbytes / pf.nbytes) if pf.nbytes else 0
+
+
+def _param_actions(facts: GraphFacts, params: dict[int, ParamFact], fetches: list[Fetch], profile: DeviceProfile):
+    """The managed parameters' actions (fetch, gather, release, reduce; group -1 - pid), and their
+    transfers for the simulation: reads (start step, read step, seconds), writes (step, seconds)."""
+    if not params:
+        return [], [], []
+    where = buffer_index(facts)
+    fetched = {f.read_step: f for f in fetches}
+    actions, reads, writes = [], [], []
+    for f in fetches:
+        actions.append(Action("fetch", f.buffer, f.at, "nvme", f.nbytes, -1 - f.pid))
+    for st in facts.steps:
+        m = ir.meta(st.node)
+        if isinstance(m, ir.GatherMeta) and m.part == "whole" and m.pid in params and st.node in where:
+            pf = params[m.pid]
+            b = facts.buffers[where[st.node]]
+            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[0].meta["val"].shape[0]
+            tier = _tier_of(st.node)
+            actions.append(Action("gather", b.id, st.index, tier, int(pf.nbytes * share), -1 - m.pid))
+            actions.append(Action("release", b.id, b.end_step, tier, int(pf.nbytes * share), -1 - m.pid))
+        if isinstance(m, ir.GatherMeta) and m.part != "collective" and m.pid in params \
+                and getattr(st.node.target, "namespace", None) == "zinf":
+            pf = params[m.pid]
+            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[0].meta["val"].shape[0]
+            f = fetched.get(st.index)
+            reads.append((f.at if f else st.index, st.index,
+                          profile.transfer_time(int(pf.read_nbytes * share), _tier_of(st.node), "in")))
+        elif isinstance(m, ir.ReduceMeta) and not m.part and m.pid in params:
+            pf = params[m.pid]
+            g = st.node
+            while isinstance(ir.meta(g), ir.ReduceMeta):
+                g = g.args[0]
+            if g not in where:
+                continue
+            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[1].meta["val"].shape[0]
+            tier = _tier_of(st.node)
+            actions.append(Action("reduce", where[g], st.index, tier, int(pf.nbytes * share), -1 - m.pid))
+            writes.append((st.index, profile.transfer_time(int(pf.read_nbytes * share), tier, "out")))
+    return actions, reads, writes
+
+
+def _tier_of(node) -> str:
+    """The tier of the managed parameter a zinf op reads or reduces into."""
+    for a in node.args:
+        if hasattr(a, "meta") and ir.param(a) is not None:
+            return ir.param(a).tier
+    return "nvme"
 
 
 def _cover(gaps, nbytes, live: np.ndarray, budget: int) -> list[Gap]:
@@ -108,33 +465,41 @@ def _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier) -> lis
     for i in sorted(range(len(chosen)), key=lambda i: (chosen[i].before, chosen[i].buffer)):
         g = chosen[i]
         n = nbytes[g.buffer]
-        need = profile.transfer_time(n, tier, "in")
-        p, hidden = g.before, 0.0
+
+        def fits(t, n=n) -> bool:
+            if live[t] + n > budget:
+                return False
+            live[t] += n
+            return True
+
         # a prefetch runs in the graph that uses the tensor, never before that graph starts
-        floor = max(g.after + 1, graph_start[facts.steps[g.before].graph])
-        while p - 1 >= floor and hidden < need and live[p - 1] + n <= budget:
-            p -= 1
-            live[p] += n
-            hidden += times[p]
-        at[i] = p
+        lo = max(g.after + 1, graph_start[facts.steps[g.before].graph])
+        at[i] = _ahead(times, g.before, lo, profile.transfer_time(n, tier, "in"), fits)
     return at
 
 
-def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier) -> tuple[float, float]:
+def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier, reads=(), writes=()) -> tuple[float, float]:
     """(compute seconds, stall seconds): steps run back to back; reads queue on one channel and
-    start at their prefetch step; a wait stalls until its read is done. Writes are synchronous."""
+    start at their prefetch (or fetch) step; a wait (or gather) stalls until its read is done.
+    Writes (offloads, gradient reduces) are synchronous. `reads`: more (start, use, seconds),
+    `writes`: more (step, seconds), beside the activation moves of `chosen`."""
     starts: dict[int, list[int]] = {}
     waits: dict[int, list[int]] = {}
-    offloads: dict[int, list[int]] = {}
-    for i, g in enumerate(chosen):
-        starts.setdefault(prefetch_at[i], []).append(i)
-        waits.setdefault(g.before, []).append(i)
-        offloads.setdefault(g.after, []).append(i)
+    outs: dict[int, float] = {}
+    xfers = [(prefetch_at[i], g.before, profile.transfer_time(nbytes[g.buffer], tier, "in"))
+             for i, g in enumerate(chosen)] + list(reads)
+    for i, (s, u, _) in enumerate(xfers):
+        starts.setdefault(s, []).append(i)
+        waits.setdefault(u, []).append(i)
+    for g in chosen:
+        outs[g.after] = outs.get(g.after, 0.0) + profile.transfer_time(nbytes[g.buffer], tier, "out")
+    for s, w in writes:
+        outs[s] = outs.get(s, 0.0) + w
     clock = channel = stall = compute = 0.0
     done: dict[int, float] = {}
     for s in facts.steps:
         for i in starts.get(s.index, ()):
-            channel = max(channel, clock) + profile.transfer_time(nbytes[chosen[i].buffer], tier, "in")
+            channel = max(channel, clock) + xfers[i][2]
             done[i] = channel
         for i in waits.get(s.index, ()):
             if done[i] > clock:
@@ -142,10 +507,9 @@ def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier) -> t
                 clock = done[i]
         clock += s.est_time_s
         compute += s.est_time_s
-        for i in offloads.get(s.index, ()):
-            w = profile.transfer_time(nbytes[chosen[i].buffer], tier, "out")
-            stall += w
-            clock += w
+        w = outs.get(s.index, 0.0)
+        stall += w
+        clock += w
     return compute, stall
 
 
@@ -154,12 +518,12 @@ def _op_name(node) -> str:
     return str(t) if not hasattr(t, "__name__") or hasattr(t, "overloadpacket") else t.__name__
 
 
-def _tensor_lives(facts: GraphFacts, moved: set[int]) -> tuple[TensorLife, ...]:
-    """Tensors worth showing: the moved ones and the larger ones (all of them for small graphs)."""
-    bufs = [b for b in facts.buffers if b.device == facts.device]
-    if len(bufs) > 2000:
-        keep = sorted(bufs, key=lambda b: -b.nbytes)[:2000]
-        bufs = sorted({*keep, *(b for b in bufs if b.id in moved)}, key=lambda b: b.id)
+def _tensor_lives(facts: GraphFacts, shown: set[int]) -> tuple[TensorLife, ...]:
+    """Tensors worth showing: those the plan acts on and the larger ones (all for small graphs)."""
+    bufs = [b for b in facts.buffers if b.device == facts.device or b.id in shown]
+    if len(bufs) > SHOWN_TENSORS:
+        keep = sorted(bufs, key=lambda b: -b.nbytes)[:SHOWN_TENSORS]
+        bufs = sorted({*keep, *(b for b in bufs if b.id in shown)}, key=lambda b: b.id)
     movable = {g.buffer for g in facts.gaps}
     return tuple(_life(b, b.id in movable) for b in bufs)
 
@@ -178,223 +542,5 @@ def _life(b, movable: bool) -> TensorLife:
     )
 
 
-def with_param_actions(plan: Plan, facts: GraphFacts, params: dict, profile: DeviceProfile | None = None) -> Plan:
-    """The plan plus each managed parameter's fetch, gather, release and reduce actions, read off
-    the graphs the parameter passes inserted. `params`: pid -> ManagedParam.
-
-    With a profile, the parameters' traffic joins bytes_moved and the predicted stall: a gather
-    waits for what of its shard's read the steps since its fetch (none without one) did not hide;
-    a reduce waits for its shard's write. (Parameter reads are not queued behind activation
-    prefetches in this estimate.)"""
-    import dataclasses
-
-    buffer_of = {}
-    for b in facts.buffers:
-        for n in b.aliases:
-            buffer_of.setdefault(n, b)
-    actions = list(plan.actions)
-    for st in facts.steps:
-        z = st.node.meta.get("zinf", {})
-        kind, pid = z.get("kind"), z.get("pid")
-        if kind not in ("gather", "reduce", "fetch") or pid not in params:
-            continue
-        mp = params[pid]
-        part = _part_of(st.node, mp)  # a tile's share of the weight (1 when whole)
-        if kind == "fetch":
-            b = buffer_of.get(st.node)
-            if b is not None:
-                actions.append(Action("fetch", b.id, st.index, mp.tier, int(mp.shard_nbytes * part), -1 - pid))
-        elif kind == "gather":
-            b = buffer_of.get(st.node)
-            if b is None:
-                continue
-            actions.append(Action("gather", b.id, st.index, mp.tier, int(mp.nbytes * part), -1 - pid))
-            actions.append(Action("release", b.id, b.end_step, mp.tier, int(mp.nbytes * part), -1 - pid))
-        else:
-            b = buffer_of.get(st.node.args[0])
-            if b is not None:
-                actions.append(Action("reduce", b.id, st.index, mp.tier, int(mp.nbytes * part), -1 - pid))
-    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
-    moved, stall = dict(plan.bytes_moved), plan.predicted_stall_s
-    if profile is not None:
-        times = np.cumsum([0.0] + [st.est_time_s for st in facts.steps])
-        fetched_at: dict[int, int] = {}
-        for a in actions:  # in step order
-            if a.group >= 0:
-                continue  # an activation's offload/prefetch/wait: simulated by make_plan already
-            mp = params[-1 - a.group]
-            shard = int(mp.shard_nbytes * a.nbytes / mp.nbytes) if mp.nbytes else 0  # a tile's share
-            if a.kind == "fetch":
-                fetched_at[a.group] = a.step
-            elif a.kind == "gather":
-                start = fetched_at.pop(a.group, a.step)
-                hidden = times[a.step] - times[start]
-                stall += max(0.0, profile.transfer_time(shard, mp.tier, "in") - hidden)
-                moved[mp.tier] = moved.get(mp.tier, 0) + shard
-            elif a.kind == "reduce":
-                stall += profile.transfer_time(shard, mp.tier, "out")
-                moved[mp.tier] = moved.get(mp.tier, 0) + shard
-    have = {t.id for t in plan.tensors}
-    extra = sorted({a.tensor for a in actions} - have)
-    tensors = tuple(sorted((*plan.tensors, *(_life(facts.buffers[i], False) for i in extra)), key=lambda t: t.id))
-    return dataclasses.replace(plan, actions=tuple(actions), tensors=tensors, bytes_moved=moved,
-                               predicted_stall_s=float(stall),
-                               params=tuple(sorted(params.values(), key=lambda m: m.pid)))
-
-
-def _part_of(node, mp: ManagedParam) -> float:
-    """The share of its weight a tile op (gather_rows, fetch_rows, reduce_grad_rows) moves."""
-    rows = node.meta.get("zinf", {}).get("rows")
-    if rows is None and node.meta.get("zinf", {}).get("kind") == "fetch":
-        rows = tuple(node.args[3:5]) if len(node.args) >= 5 else None
-    if rows is None:
-        return 1.0
-    p = node.args[1] if node.meta["zinf"].get("kind") == "reduce" else node.args[0]
-    n_rows = p.meta["val"].shape[0]
-    return (rows[1] - rows[0]) / n_rows
-
-
-def managed_params(graphs, world: int = 1) -> dict[int, ManagedParam]:
-    """The managed parameters of graphs the parameter passes rewrote, from their placeholders."""
-    out: dict[int, ManagedParam] = {}
-    for gm in graphs:
-        for n in gm.graph.find_nodes(op="placeholder"):
-            z = n.meta.get("zinf", {})
-            if z.get("kind") != "param" or z["pid"] in out:
-                continue
-            val = n.meta["val"]
-            nbytes = int(val.numel()) * val.element_size()
-            from zinf_compile.passes.params import stored_nbytes
-
-            shard = stored_nbytes(val.numel(), val.element_size(), z.get("master"))
-            out[z["pid"]] = ManagedParam(z["pid"], z["name"], nbytes, -(-shard // world), z["tier"], world)
-    return out
-
-
-def try_param_choices(mode: str, big: list, forced: list, nbytes, attempt, on_fail=None):
-    """The planner's choice of managed parameters, cheapest first, for the backend and `zinf plan`.
-
-    `big`: the parameters zinf may manage (those already managed among them), `forced`: those it
-    must. mode "offload": all of `big`; "resident": only `forced`; "auto": `forced`, then the fewest
-    more (largest first) that free the shortfall the failed plan reported, then all of `big`.
-    attempt(chosen, last) plans one choice and raises BudgetError when it does not fit;
-    on_fail(chosen, error) hears of each failed try. Items are opaque; nbytes(item) is their size."""
-    if mode == "offload":
-        tries: list = [big]
-    elif mode == "resident" or not big:
-        tries = [forced]
-    else:
-        tries = [forced, None, big]
-    err: BudgetError | None = None
-    for i, chosen in enumerate(tries):
-        if chosen is None:
-            chosen = _fewest(big, forced, max(err.lower_bound, err.best_peak) - err.budget, nbytes)
-            if len(chosen) == len(big):
-                continue
-        try:
-            return attempt(chosen, i == len(tries) - 1)
-        except BudgetError as e:
-            if on_fail is not None:
-                on_fail(chosen, e)
-            if i == len(tries) - 1:
-                raise
-            err = e
-    raise err  # pragma: no cover  (the last try raises)
-
-
-def _fewest(big: list, forced: list, need: int, nbytes) -> list:
-    """`forced` and then the largest of `big` until what they free, less the largest (gathered
-    whole while it is used), covers `need`; in `big`'s order."""
-    chosen = list(forced)
-    for c in sorted(big, key=lambda c: -nbytes(c)):  # stable: ties keep big's order
-        have = sum(map(nbytes, chosen)) - max(map(nbytes, chosen), default=0)
-        if have >= need:
-            break
-        if c not in chosen:
-            chosen.append(c)
-    return [c for c in big if c in chosen]
-
-
-def fetch_holds_device_memory(device: str, mapped: bool) -> bool:
-    """Whether an NVMe shard fetched ahead is device memory until its gather: not where the gather
-    maps the file (`mapped`: a CPU device, buffered I/O; the fetch is the kernel's read-ahead), nor
-    on a GPU (the shard lands in host memory); so only on a CPU device with O_DIRECT files."""
-    return not (mapped or tier_frees_device("cpu", device))
-
-
-def prefetch_param_gathers(graphs, profile: DeviceProfile, tier: str, device: str, world: int = 1,
-                           mapped: bool = False, room=None) -> list:
-    """Fetch NVMe shards ahead of their gathers in each fx.Graph, as far as the cost model says
-    hides the read (PrefetchGathers); a CPU-tier shard is in host memory already: nothing to do.
-    `mapped`: gathers map the shard's file (a CPU device, buffered I/O): a fetch only asks the
-    kernel to read ahead into its page cache, and holds no memory of the process until the gather.
-    `room`: node -> bytes free at its step (pipeline.room_by_node); a fetch that holds memory then
-    spans only steps with room for it."""
-    if tier != "nvme":
-        return []
-    from zinf_compile.cost import step_cost
-    from zinf_compile.passes.params import PrefetchGathers
-
-    cost = step_cost(profile)
-    holds = fetch_holds_device_memory(device, mapped)
-    return [PrefetchGathers()(g, lambda n: cost(n)[1],
-                              lambda b: profile.transfer_time(-(-b // world), "nvme", "in"),
-                              lambda b: -(-b // world) if holds else 0, room) for g in graphs]
-
-
-# -- memory-centric tiling ------------------------------------------------------------------------
-
-TILE_OVERHEAD_S = 50e-6  # one tile's fixed cost: an op dispatch, a read request, a kernel launch
-MAX_TILES = 64  # past this a matmul is all overhead; a weight that needs more tiles is not tiled
-
-
-def choose_tiles(facts: GraphFacts, budget: int, cands: dict, profile: DeviceProfile, tier: str,
-                 max_tile_bytes: int | None = None) -> dict[int, int]:
-    """How many row tiles each candidate weight gets (pid -> count; absent: not tiled).
-
-    `cands`: pid -> passes.tiling.Candidate (merged over the graphs facts covers). With
-    `max_tile_bytes`, every weight larger than that, in tiles no larger. Otherwise only where the
-    graphs cannot fit at all (their lower bound is over the budget), and only the weights whose
-    matmuls stand at a step over it: at such a step i, tiling takes the whole weight (or its whole
-    gradient) off what must stay live (floor[i]) and puts back k tiles of it (the one in use and
-    the next, fetched ahead; one for a gradient tile), so it needs k * W / T <= budget - (floor[i]
-    - W). The count is the one with the least predicted time between that least count and 4x it:
-    each tile costs TILE_OVERHEAD_S; the first tile's read is not hidden by an earlier tile; a K
-    split re-reads and re-writes its float32 sum once per tile."""
-    import math
-
-    out: dict[int, int] = {}
-    if max_tile_bytes is not None:
-        for pid, c in cands.items():
-            if c.nbytes > max_tile_bytes:  # forced: as asked, up to one row per tile
-                out[pid] = min(c.rows, -(-c.nbytes // max_tile_bytes))
-        return out
-    floor = facts.floor
-    if floor is None or not len(floor) or facts.lower_bound <= budget:
-        return out
-    for pid, c in cands.items():
-        need = 1
-        for m in (*c.uses, *c.grads):
-            i = facts.step_of.get(m)
-            if i is None or floor[i] <= budget:
-                continue
-            k = 2 if m in c.uses else 1
-            room = budget - (int(floor[i]) - c.nbytes)
-            # no room even without the weight: tiling it cannot make this step fit
-            need = max(need, math.ceil(k * c.nbytes / room) if room > 0 else MAX_TILES + 1)
-        if need <= 1 or need > min(MAX_TILES, c.rows):
-            continue
-        def cost(t, c=c):
-            return (t * TILE_OVERHEAD_S + profile.transfer_time(c.nbytes // t, tier, "in")
-                    + (t - 1) * 2 * c.k_bytes / profile.mem_bw)
-
-        top = min(c.rows, 4 * need, MAX_TILES)
-        out[pid] = min(range(min(need, c.rows), top + 1), key=lambda t: (cost(t), t))
-    return out
-
-
-def tiled_ops_of(graphs) -> tuple[TiledOp, ...]:
-    """The plan's record of the tiled matmuls in rewritten graphs ({role: GraphModule})."""
-    from zinf_compile.passes.tiling import tiled_ops
-
-    return tuple(TiledOp(**t) for t in tiled_ops(graphs.items()))
+def with_notes(plan: Plan, *notes: str) -> Plan:
+    return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan

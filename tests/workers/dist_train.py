@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
-from zinf_compile.passes.params import saved_whole_parameters
+from zinf_compile.passes.verifier import saved_whole_parameters
 from zinf_compile.runtime.params import STORE
 
 

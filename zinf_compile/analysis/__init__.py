@@ -1,4 +1,5 @@
 """Analysis: pure functions over FX graphs returning immutable facts."""
-from zinf_compile.analysis.facts import Buffer, Gap, GraphFacts, StepFact, analyze
+from zinf_compile.analysis.facts import Buffer, Gap, GraphFacts, GraphSpec, StepFact, analyze
+from zinf_compile.analysis.graphs import graph_specs, primal_nodes
 
-__all__ = ["Buffer", "Gap", "GraphFacts", "StepFact", "analyze"]
+__all__ = ["Buffer", "Gap", "GraphFacts", "GraphSpec", "StepFact", "analyze", "graph_specs", "primal_nodes"]

@@ -19,10 +19,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from zinf_compile import ir
 from zinf_compile.analysis.sizes import dense_dim_order, shape_str, storage_nbytes, tensor_nbytes
-
-
-HANDLE_KINDS = ("offload", "prefetch", "handle")  # node.meta["zinf"]["kind"] of handle-valued nodes
 
 
 @dataclass(frozen=True)
@@ -151,9 +149,9 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
     def new_buffer(graph, role, t, def_step, node):
         b_graph.append(graph)
         b_role.append(role)
-        zmeta = node.meta.get("zinf", {})
-        if "resident_bytes" in zmeta:  # a managed parameter or a fetched shard: its device bytes
-            b_size.append((int(zmeta["resident_bytes"]), sympy.Integer(int(zmeta["resident_bytes"]))))
+        held = ir.resident_bytes(node)
+        if held is not None:  # a managed parameter or a fetched shard: its device bytes
+            b_size.append((int(held), sympy.Integer(int(held))))
         else:
             b_size.append(storage_nbytes(t))
         b_device.append(t.device.type)
@@ -169,7 +167,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         first = graph_steps[0] if graph_steps else 0
         for node in spec.gm.graph.nodes:
             ts = _tensors_of(node.meta.get("val"))
-            if node.meta.get("zinf", {}).get("kind") in HANDLE_KINDS:
+            if ir.is_handle(node):
                 ts = []  # a handle is 8 bytes of bookkeeping, not device memory worth planning
             if node.op == "placeholder":
                 if node in spec.saved:

@@ -314,7 +314,6 @@ class ParamStore:
         self._tickets = itertools.count(1)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
         self.budget: int | None = None  # the smallest budget a compile managed parameters under
-        self.pinned: set[int] = set()  # ids of parameters a compiled graph reads directly
 
     def __len__(self) -> int:
         return len(self._entries)
