@@ -160,3 +160,66 @@ def test_stall_prediction_against_hand_computed_cases(gpt_graphs):
     _, stall = simulate(facts, chosen, [g.after + 1 for g in chosen], nbytes, fast, "nvme")
     assert stall < 1e-6
     assert plan.predicted_stall_s > 0 and plan.predicted_compute_s == pytest.approx(compute)
+
+
+# -- the parameter levers' invariants, each broken by hand ----------------------------------------
+
+@pytest.fixture(scope="module")
+def managed_graphs():
+    """A training plan with every weight managed on NVMe (gathers, fetches, reduces) and one with
+    the first weight forced into tiles, both through the backend's pipeline."""
+    from mlp import build
+
+    from zinf_compile.capture import plan_offline
+
+    plain = plan_offline(build, {"batch": 16}, 1 << 30, BUILTIN["cpu"], "nvme", params="offload")
+    tiled = plan_offline(build, {"batch": 16}, 1 << 30, BUILTIN["cpu"], "nvme", params="offload",
+                         max_tile_bytes=64 << 10, tiling="force")
+    return plain, tiled
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    ("direct_read", "is read directly"),
+    ("fetch_unfinished", "is not finished by one later gather"),
+    ("late_gradient_reader", "is reduced by .* before"),
+    ("saved_parameter", "saves whole parameters"),
+    ("stacked_tiles", "stacked"),
+])
+def test_verifier_names_each_broken_parameter_invariant(managed_graphs, corrupt, message):
+    import copy
+
+    from zinf_compile.ir import FetchMeta, GatherMeta, ParamMeta, ReduceMeta
+    from zinf_compile.passes import VerificationError, check_invariants
+
+    plain, tiled = managed_graphs
+    done = tiled if corrupt == "stacked_tiles" else plain
+    graphs = {role: copy.deepcopy(gm) for role, gm in done.graphs.items()}  # a test's own copy
+    ctx = PassContext(num_fwd_outputs=done.num_fwd_outputs)
+    check_invariants(graphs, ctx, "as planned")  # the pipeline's graphs keep every invariant
+    fw, bw = graphs["forward"].graph, graphs["backward"].graph
+    if corrupt == "direct_read":
+        p = next(n for n in fw.find_nodes(op="placeholder") if isinstance(ir.meta(n), ParamMeta))
+        with fw.inserting_after(p):
+            fw.call_function(torch.ops.aten.clone.default, (p,))
+    elif corrupt == "fetch_unfinished":
+        h = next(n for g in (fw, bw) for n in g.nodes if isinstance(ir.meta(n), FetchMeta))
+        with h.graph.inserting_after(h):
+            h.graph.call_function(torch.ops.aten.clone.default, (h,))
+    elif corrupt == "late_gradient_reader":
+        r = next(n for n in bw.nodes if isinstance(ir.meta(n), ReduceMeta))
+        with bw.inserting_after(r):
+            bw.call_function(torch.ops.aten.clone.default, (r.args[0],))
+    elif corrupt == "saved_parameter":
+        g = next(n for n in fw.nodes if isinstance(ir.meta(n), GatherMeta))
+        out = ir.output_node(fw)
+        out.args = ((*out.args[0], g),)
+    else:
+        tiles = [n for g in (fw, bw) for n in g.nodes if isinstance(ir.meta(n), GatherMeta) and ir.meta(n).rows]
+        first = tiles[0]
+        third = next(t for t in tiles[2:] if t.graph is first.graph and ir.meta(t).pid == ir.meta(first).pid)
+        first.prepend(third)  # tile 2's rows gathered before tile 0's matmul: three tiles at once
+        for a in third.all_input_nodes:  # keep the graph well formed (its handle, if fetched, first)
+            if a.op != "placeholder":
+                third.prepend(a)
+    with pytest.raises(VerificationError, match=message):
+        check_invariants(graphs, ctx, "corrupted")
