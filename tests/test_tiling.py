@@ -236,16 +236,41 @@ def test_the_plan_fits_the_budget_that_the_untiled_graph_cannot(trained, offload
 
 
 def test_losses_and_parameters_match_untiled_inductor_and_eager(trained):
-    # forward tiles split N (exact per element), the input's gradient K (float32 sums in another
-    # order), the weight's gradient M: rounding, through 3 AdamW steps. Measured: 2e-7 from the
-    # untiled Inductor run on big.weight, 7e-7 on inp.weight (upstream of the K split); Inductor
-    # itself is 7.9e-6 from eager there.
+    """Tiling changes only the association of float32 sums: the forward splits N (exact per
+    element), the input's gradient K and the weight's gradient M (partial sums added in another
+    order). Inductor against eager is the same kind of change (its fused reductions and kernels
+    sum in their own order), on the same machine, through the same 3 AdamW steps. So the spread
+    between Inductor and eager, D (the largest over all tensors), is this machine's measure of what
+    a reassociation does to this training, and the tolerances are that spread, not a number from
+    one machine's rounding:
+      zinf vs Inductor  <= D   (tiling is one more reassociation of the same sums)
+      zinf vs eager     <= 2 D (the triangle inequality over Inductor, each leg at most D)
+    AdamW is why D is not ~1 ulp: its update lr * m / (sqrt(v) + eps) divides by the gradient's
+    own size, so an element whose gradient is at the rounding level moves by up to ~lr whatever
+    the rounding; those rare elements set D on every machine alike (measured on the 2-core CI
+    machine: D = 1.6e-5 on big.weight, zinf 7.3e-7 from Inductor and 1.6e-5 from eager; a float64
+    run puts all three 1.9e-5 to 2.6e-5 from the exact result. An AVX-512/AMX Xeon put 1 of
+    360,000 elements 2.2e-5 from eager, over the fixed 2e-5 this test used to allow).
+    The check stays meaningful: a tile lost or doubled changes a block of whole gradient rows,
+    which moves every element there by ~lr = 1e-3 a step, over 100x D. FLOOR keeps the check
+    possible where Inductor happens to equal eager exactly (D = 0): the K-split's own rounding
+    bound, gamma_K = K u / (1 - K u) relative on the gradient, carried through STEPS updates of
+    at most lr each (an upper bound for a well-conditioned element)."""
     (zl, zs), (il, ist), (el, es) = trained["zinf"], trained["inductor"], trained["eager"]
-    torch.testing.assert_close(zl, il, rtol=1e-6, atol=0)
-    torch.testing.assert_close(zl, el, rtol=1e-6, atol=0)
-    for k in es:
-        torch.testing.assert_close(zs[k], ist[k], rtol=0, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
-        torch.testing.assert_close(zs[k], es[k], rtol=0, atol=2e-5, msg=lambda m, k=k: f"{k}: {m}")
+    u, k, lr, steps = 2.0**-24, 600, 1e-3, len(zl)
+    floor = steps * lr * 2 * (k * u / (1 - k * u))
+
+    def spread(a, b):
+        return max((a[n].double() - b[n].double()).abs().max().item() for n in a)
+
+    d = max(spread(ist, es), floor)
+    for n in es:
+        torch.testing.assert_close(zs[n], ist[n], rtol=0, atol=d, msg=lambda m, n=n: f"{n}: {m} (D = {d:.3g})")
+        torch.testing.assert_close(zs[n], es[n], rtol=0, atol=2 * d, msg=lambda m, n=n: f"{n}: {m} (D = {d:.3g})")
+    # losses: the same argument over the 3 scalars, with the floor of a float32 sum of K terms
+    dl = max(max(abs(a - b) for a, b in zip(il, el)), steps * k * u * max(map(abs, el)))
+    for z, i, e in zip(zl, il, el):
+        assert abs(z - i) <= dl and abs(z - e) <= 2 * dl, (zl, il, el, dl)
 
 
 def test_a_weight_read_through_casts_is_tiled_and_its_gradient_reduced_by_rows(tile_engines):
