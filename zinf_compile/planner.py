@@ -94,16 +94,22 @@ def decide_params(facts: GraphFacts, params: dict[int, ParamFact], budget: int, 
         return frozenset(forced)
     chosen: list[int] = []
     for pid in sorted(deltas, key=lambda p: (-params[p].nbytes, p)):
+        if not (deltas[pid][floor > budget] > 0).any():
+            continue  # managing it frees nothing where the floor is over (a shard kept beside its gathers)
         floor -= deltas[pid]
         chosen.append(pid)
         if floor.max() <= budget:
             break
-    else:
+    if floor.max() > budget:
         return frozenset(params)
-    for pid in reversed(list(chosen)):  # drop what the others make unnecessary, last taken first
-        if (floor + deltas[pid]).max() <= budget:
-            floor += deltas[pid]
-            chosen.remove(pid)
+    dropped = True
+    while dropped:  # drop what the others make unnecessary, last taken first, until none is
+        dropped = False
+        for pid in reversed(list(chosen)):
+            if (floor + deltas[pid]).max() <= budget:
+                floor += deltas[pid]
+                chosen.remove(pid)
+                dropped = True
     return frozenset(chosen) | forced
 
 
