@@ -244,12 +244,16 @@ class KeepResident(Pass):
         changes = []
         for role, gm in graphs.items():
             graph = gm.graph
+            whole: dict[int, list[fx.Node]] = {}  # pid -> its whole gathers, one scan of the graph
+            for n in graph.nodes:
+                if ir.is_whole_gather(n):
+                    whole.setdefault(ir.meta(n).pid, []).append(n)
             for p in list(graph.find_nodes(op="placeholder")):
                 m = ir.param(p)
                 if m is None or m.pid not in self.pids:
                     continue
                 del p.meta[ir.KEY]
-                for g in [n for n in graph.nodes if ir.is_whole_gather(n) and ir.meta(n).pid == m.pid]:
+                for g in whole.get(m.pid, ()):
                     chain = [g]
                     while chain[0] is not p and isinstance(ir.meta(chain[0]), GatherMeta):
                         chain.insert(0, chain[0].args[0])
@@ -344,8 +348,7 @@ class FetchAhead(Pass):
 
 def is_gather(n: fx.Node) -> bool:
     """A node that reads a managed parameter from its tier (whole, rows, or this rank's shard)."""
-    m = ir.meta(n)
-    return n.op == "call_function" and isinstance(m, GatherMeta) and m.part != "collective"
+    return ir.is_shard_read(n)
 
 
 def partition_pass(partition_fn: Callable, joint_inputs, kwargs: dict) -> "Partition":

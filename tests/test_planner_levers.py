@@ -15,29 +15,22 @@ The facts are stand-ins (`types.SimpleNamespace`) with only the attributes each 
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
+from props import props
 from zinf_compile.analysis.params import Interval, ParamFact
 from zinf_compile.cost import BUILTIN
 from zinf_compile.passes.tiling import Candidate
 from zinf_compile.planner import (MAX_TILES, TILE_OVERHEAD_S, _ahead, choose_tiles, decide_params, managed_floor,
                                   resident_timeline)
 
-PROPS = settings(
-    # ZINF_PROPS_EXAMPLES=2000 for a longer hunt; the default keeps the file well under 30 s on CI
-    max_examples=int(os.environ.get("ZINF_PROPS_EXAMPLES", "150")),
-    deadline=None,
-    derandomize=True,  # reproducible in CI: the examples depend only on the test's source
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+PROPS = props(150)  # the default keeps the file well under 30 s on CI
 
 MAX_PARAMS = 8  # 2**8 subsets for the brute force
 

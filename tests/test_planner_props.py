@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 import torch
 import torch.fx as fx
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from props import props
 from zinf_compile.analysis.facts import GraphSpec, analyze
 from zinf_compile.cost import BUILTIN, step_cost
 from zinf_compile.errors import BudgetError
@@ -46,14 +47,7 @@ SLOW_DISK = replace(PROFILE, name="cpu-slow-disk", nvme_read_bw=1e3, nvme_write_
 TIER = "nvme"
 MAX_GAPS = 12  # 2**12 subsets for the brute-force lower bound
 
-PROPS = settings(
-    # ZINF_PROPS_EXAMPLES=500 for a longer hunt; the default keeps the file under a minute on CI
-    max_examples=int(os.environ.get("ZINF_PROPS_EXAMPLES", "40")),
-    deadline=None,
-    derandomize=True,  # reproducible in CI: the examples depend only on the test's source
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+PROPS = props(40)  # the default keeps the file under a minute on CI
 
 
 # -- random programs -----------------------------------------------------------------------------

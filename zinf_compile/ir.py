@@ -104,6 +104,14 @@ def is_whole_gather(node: fx.Node) -> bool:
     return isinstance(m, GatherMeta) and m.part == "whole"
 
 
+def is_shard_read(node: fx.Node) -> bool:
+    """A zinf op that reads a managed parameter's shard from its tier (a whole gather, a tile's
+    rows, or this rank's shard before an all-gather): where a fetch can start the read earlier."""
+    m = node.meta.get(KEY)
+    return (isinstance(m, GatherMeta) and m.part != "collective"
+            and getattr(node.target, "namespace", None) == "zinf")
+
+
 def is_handle(node: fx.Node) -> bool:
     """A handle-valued node (8 bytes of bookkeeping, not device memory worth planning)."""
     m = node.meta.get(KEY)

@@ -136,12 +136,6 @@ def _floor(facts: GraphFacts) -> np.ndarray:
 
 # -- B. tiles -------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TileChoice:
-    pid: int
-    count: int
-
-
 def choose_tiles(floor: np.ndarray | None, step_of: dict, budget: int, cands: dict, profile: DeviceProfile,
                  tier: str, max_tile_bytes: int | None = None) -> dict[int, int]:
     """How many row tiles each candidate weight gets (pid -> count; absent: not tiled).
@@ -405,14 +399,13 @@ def _param_actions(facts: GraphFacts, params: dict[int, ParamFact], fetches: lis
         if isinstance(m, ir.GatherMeta) and m.part == "whole" and m.pid in params and st.node in where:
             pf = params[m.pid]
             b = facts.buffers[where[st.node]]
-            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[0].meta["val"].shape[0]
+            share = _share(st.node, m)
             tier = _tier_of(st.node)
             actions.append(Action("gather", b.id, st.index, tier, int(pf.nbytes * share), -1 - m.pid))
             actions.append(Action("release", b.id, b.end_step, tier, int(pf.nbytes * share), -1 - m.pid))
-        if isinstance(m, ir.GatherMeta) and m.part != "collective" and m.pid in params \
-                and getattr(st.node.target, "namespace", None) == "zinf":
+        if ir.is_shard_read(st.node) and m.pid in params:
             pf = params[m.pid]
-            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[0].meta["val"].shape[0]
+            share = _share(st.node, m)
             f = fetched.get(st.index)
             reads.append((f.at if f else st.index, st.index,
                           profile.transfer_time(int(pf.read_nbytes * share), _tier_of(st.node), "in")))
@@ -423,11 +416,19 @@ def _param_actions(facts: GraphFacts, params: dict[int, ParamFact], fetches: lis
                 g = g.args[0]
             if g not in where:
                 continue
-            share = 1.0 if m.rows is None else (m.rows[1] - m.rows[0]) / st.node.args[1].meta["val"].shape[0]
+            share = _share(st.node, m, 1)
             tier = _tier_of(st.node)
             actions.append(Action("reduce", where[g], st.index, tier, int(pf.nbytes * share), -1 - m.pid))
             writes.append((st.index, profile.transfer_time(int(pf.read_nbytes * share), tier, "out")))
     return actions, reads, writes
+
+
+def _share(node, m, param_arg: int = 0) -> float:
+    """The share of its weight a tile's gather or reduce moves (1 when whole): its rows over the
+    weight's (the parameter is the op's argument `param_arg`)."""
+    if m.rows is None:
+        return 1.0
+    return (m.rows[1] - m.rows[0]) / node.args[param_arg].meta["val"].shape[0]
 
 
 def _tier_of(node) -> str:
@@ -546,7 +547,3 @@ def _life(b, movable: bool) -> TensorLife:
         shape=shape_str(val) if val is not None else "?", dtype=str(getattr(val, "dtype", "?")).replace("torch.", ""),
         def_step=b.def_step, use_steps=b.use_steps, movable=movable,
     )
-
-
-def with_notes(plan: Plan, *notes: str) -> Plan:
-    return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan

@@ -127,6 +127,4 @@ def _placeholders(facts: GraphFacts):
 def parameter_reads(facts: GraphFacts) -> list[int]:
     """The steps that read a managed parameter's shard from its tier (a whole gather, a tile's
     rows, or this rank's shard before an all-gather): where a fetch can start the read earlier."""
-    return [st.index for st in facts.steps
-            if isinstance(ir.meta(st.node), GatherMeta) and ir.meta(st.node).part != "collective"
-            and getattr(st.node.target, "namespace", None) == "zinf"]
+    return [st.index for st in facts.steps if ir.is_shard_read(st.node)]
