@@ -131,7 +131,7 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
         graphs["inference"] = on_inference(gm, params) if on_inference else gm
         return gm
 
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=False), _compiling():
         built = factory(**kwargs)
         if not (isinstance(built, tuple) and len(built) == 2):
             raise ZinfConfigError("FACTORY must return (model, example_inputs)")
@@ -159,6 +159,17 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
                                     partition_fn=partition, num_params_buffers=k)
             compiled(*[t for _, t in named], *inputs)
     return Captured(graphs, nfo[0] if nfo else -1, box["params"])
+
+
+def _compiling():
+    """Tell model code it is being compiled (torch.compiler.is_compiling() is True), as a real
+    torch.compile does: Hugging Face models then skip the data-dependent checks (an all-ones
+    attention mask, `torch.all(mask == 1)`) that FakeTensorMode cannot answer. torch's own
+    context for a compile session where this torch has it; else nothing changes."""
+    import contextlib
+
+    ctx = getattr(torch.compiler, "_compile_session_context", None)
+    return ctx() if ctx is not None else contextlib.nullcontext()
 
 
 def _checked(params: tuple[CapturedParam, ...], gm: fx.GraphModule) -> tuple[CapturedParam, ...]:
