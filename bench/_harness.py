@@ -170,10 +170,10 @@ class Meter:
 
 def engine_bytes() -> dict:
     """Bytes zinf's offload engines have read and written in this process so far."""
-    from zinf_compile.runtime import engine
+    from zinf_compile.runtime.state import RUNTIME
 
     out = {"read": 0, "written": 0}
-    for e in engine._ENGINES.values():
+    for e in RUNTIME.engines.values():
         out["read"] += e.stats["bytes_read"]
         out["written"] += e.stats["bytes_written"]
     return out

@@ -124,7 +124,7 @@ def worker(args) -> dict:
                              lower_bound=p.lower_bound, params=len(p.params), actions=p.action_counts(),
                              tiles=len(p.tiles), predicted_compute_s=p.predicted_compute_s,
                              predicted_stall_s=p.predicted_stall_s) for p in plans]
-        from zinf_compile.runtime.params import STORE
+        from zinf_compile.runtime.state import STORE
 
         out["managed_bytes"] = sum(e.nbytes for e in STORE.entries())
         out["managed"] = len(STORE)

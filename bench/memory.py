@@ -236,16 +236,16 @@ def worker(args) -> dict:
 
         import zinf_compile
 
-        zengine = importlib.import_module("zinf_compile.runtime.engine")
+        zstate = importlib.import_module("zinf_compile.runtime.state")
 
         plans = [p for p in zinf_compile.last_plans() if "forward" in p.graphs]
         result["plans"] = [_plan_summary(p) for p in plans]
-        result["engine_stats"] = [dict(e.stats) for e in zengine._ENGINES.values()]
+        result["engine_stats"] = [dict(e.stats) for e in zstate.RUNTIME.engines.values()]
         result["swap_files_during_run"] = _files_under(args.offload_dir)
         result["swap_bytes_on_disk"] = _du(args.offload_dir)
         del fn, model, opt
         gc.collect()
-        zengine.close_all()
+        zstate.close_all()
         result["files_left_after_close"] = _files_under(args.offload_dir)
     return result
 

@@ -131,7 +131,7 @@ def worker(args) -> dict:
 
     m = _harness.measure_steps(step, args.warmup, args.steps, meter)
     peak = m["peak"]
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     result = dict(contender=args.worker, rank=rank, world=world, device=dev, base=base, **m, peak_over_base=peak - base,
                   host_peak_over_base=meter.host_peak() - host_base,

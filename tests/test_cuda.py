@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zinf_compile
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import STORE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a CUDA device")
 

@@ -127,7 +127,7 @@ def train_pair(make_model, inputs, budget, offload_dir: str, options: dict | Non
 
 
 def release(model) -> None:
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     for p in model.parameters():
         if STORE.is_managed(p):
@@ -183,7 +183,7 @@ def check_both_levers(run) -> None:
     assert offloads, f"the budget should have forced activation offload ({len(managed)} parameters managed)"
     for plan in plans:
         assert plan.peak_after <= plan.budget, (plan.peak_after, plan.budget)
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     model = run["model"]
     names = {n for n, p in model.named_parameters() if STORE.is_managed(p)}

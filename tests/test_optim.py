@@ -19,8 +19,8 @@ import torch.nn as nn
 from zinf_compile.checkpoint import full_state_dict, load_checkpoint, load_state_dict, save_checkpoint
 from zinf_compile.errors import ZinfError
 from zinf_compile.optim import ZinfOptimizer, optimizer
-from zinf_compile.runtime.engine import register_engine
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import register_engine
+from zinf_compile.runtime.state import STORE
 
 HP = dict(lr=1e-2, weight_decay=0.1)
 LRS = [1e-2, 1e-2, 5e-3, 5e-3]  # the lr of each step: changed between steps, as a scheduler would

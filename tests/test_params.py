@@ -20,7 +20,7 @@ from zinf_compile.errors import BudgetError, ZinfError
 from zinf_compile.passes.params import is_gather
 from zinf_compile.passes.verifier import saved_whole_parameters
 from zinf_compile.runtime.ops import reduce_grad
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import STORE
 
 VOCAB, WIDTH = 128, 128  # 64 KiB matrices: managed (backend.PERSIST_BYTES); biases stay resident
 
@@ -162,9 +162,9 @@ def test_full_gathers_the_parameter_and_release_gives_it_back(run):
 
 
 def _engines():
-    from zinf_compile.runtime import engine
+    from zinf_compile.runtime.state import RUNTIME
 
-    return (k for k, e in engine._ENGINES.items() if e.tier == "nvme")
+    return (e.key for e in RUNTIME.engines.values() if e.tier == "nvme")
 
 
 def test_inference_graph_gathers_without_gradients(offload_root):
@@ -212,7 +212,7 @@ def test_auto_manages_parameters_only_when_the_budget_needs_it(offload_root):
 
 def test_a_failed_shard_write_keeps_the_parameter_and_says_why(offload_root):
     """A full disk (simulated: a file size limit) must not lose the parameter's data."""
-    from zinf_compile.runtime.engine import register_engine
+    from zinf_compile.runtime.state import register_engine
 
     eng = register_engine(987654, "nvme", os.path.join(offload_root, "full"), 2, False)
     p = nn.Parameter(torch.randn(256, 256))
@@ -305,7 +305,7 @@ def test_mixed_precision_keeps_float32_master_shards(tier, offload_root):
 def test_a_parameter_sharing_its_storage_is_never_taken_over(offload_root):
     base = torch.randn(2, 128, 128)
     a, b = nn.Parameter(base[0]), nn.Parameter(base[1])  # views of one storage
-    from zinf_compile.runtime.engine import register_engine
+    from zinf_compile.runtime.state import register_engine
 
     register_engine(987655, "nvme", offload_root, 2, False)
     with pytest.raises(ZinfError, match="shares its storage"):
@@ -404,7 +404,7 @@ def test_a_parameter_compiled_resident_is_not_taken_over_later(offload_root):
 
 
 def _store_engine(root):
-    from zinf_compile.runtime.engine import register_engine
+    from zinf_compile.runtime.state import register_engine
 
     register_engine(987656, "nvme", os.path.join(root, "store"), 2, False)
     return 987656
@@ -423,7 +423,7 @@ def test_a_dead_parameter_hands_its_files_back(offload_root):
     import gc
 
     key = _store_engine(offload_root)
-    from zinf_compile.runtime.engine import get_engine
+    from zinf_compile.runtime.state import get_engine
 
     swap = get_engine(key).swap
     p = nn.Parameter(torch.randn(128, 128))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zinf_compile
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import STORE
 
 from gpt import build as build_gpt
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from zinf_compile.runtime import engine as eng_mod  # the module; the lookup function is get_engine
+from zinf_compile.runtime import engine as eng_mod  # the module (OffloadEngine)
 from zinf_compile.runtime import ops, register_engine
 
 

@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from zinf_compile.errors import ZinfError
 from zinf_compile.runtime import ops
-from zinf_compile.runtime.engine import register_engine
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import register_engine
+from zinf_compile.runtime.state import STORE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (64, 96)
@@ -150,7 +150,7 @@ def test_a_failed_free_after_the_swap_keeps_the_values_and_says_why(engine_key, 
 
 def test_a_dead_swapped_parameter_hands_its_files_back(engine_key, tmp_path):
     """The store follows the parameter to its new storage, to the end of its life."""
-    from zinf_compile.runtime.engine import get_engine
+    from zinf_compile.runtime.state import get_engine
 
     swap = get_engine(engine_key).swap
     p, _ = _numpy(tmp_path)
@@ -204,7 +204,7 @@ TRAIN = """
 import json, os, sys, tempfile
 import torch, torch.nn as nn
 import zinf_compile
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import STORE
 
 torch.use_deterministic_algorithms(True)
 tmp = sys.argv[1]

@@ -88,7 +88,7 @@ def test_split_bounds_cover_the_range_in_order():
 def tile_engines(offload_root):
     import os
 
-    from zinf_compile.runtime.engine import register_engine
+    from zinf_compile.runtime.state import register_engine
 
     register_engine(987700, "nvme", os.path.join(offload_root, "tiles"), 2, False)
     register_engine(987701, "nvme", os.path.join(offload_root, "tiles-direct"), 2, True)  # O_DIRECT
@@ -99,7 +99,7 @@ def tile_engines(offload_root):
 def test_a_tile_is_read_and_its_gradient_added_without_the_rest(where, tile_engines):
     """Rows of a managed weight from its tier (unaligned offsets under O_DIRECT too), fetched ahead
     or not; gradient tiles into their rows, accumulated, zeros where no tile came."""
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     tier = "cpu" if where == "cpu" else "nvme"
     torch.manual_seed(1)
@@ -174,7 +174,7 @@ def trained(offload_root):
     """3 AdamW steps of the model compiled with zinf under BUDGET (the big weight in the NVMe tier,
     tiled), with Inductor alone (untiled, unbudgeted) and in eager."""
     from zinf_compile import records
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     model, (x, y) = _build()
     records.reset()
@@ -279,7 +279,7 @@ def test_a_weight_read_through_casts_is_tiled_and_its_gradient_reduced_by_rows(t
     from zinf_compile.passes.params import param_meta
     from zinf_compile.passes.tiling import TileMatmuls, candidates
     from zinf_compile.runtime.ops import gather, gather_rows, reduce_grad, reduce_grad_rows
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     key = tile_engines["cpu"]
     torch.manual_seed(2)
@@ -314,7 +314,7 @@ def test_a_weight_read_through_casts_is_tiled_and_its_gradient_reduced_by_rows(t
 
 def test_inference_tiles_the_big_layer_and_matches_eager(offload_root):
     from zinf_compile import records
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     model, (x, y) = _build()
     want = model(x, y)
@@ -372,7 +372,7 @@ def test_graph_gathers_map_the_shard_file_and_what_outlives_the_graph_does_not(t
     """On a CPU device with buffered files a gather maps the shard's file (no copy, no zero-filled
     pages); the mapping is private (a write into the gathered tensor never reaches the file), and
     what may outlive a later write of the file (a state dict, a released parameter) is a copy."""
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     torch.manual_seed(3)
     w = torch.randn(64, 33)

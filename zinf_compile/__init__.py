@@ -12,7 +12,16 @@ from zinf_compile.errors import BudgetError, ZinfConfigError, ZinfError
 from zinf_compile.plan import Plan
 from zinf_compile.checkpoint import full_state_dict, load_checkpoint, load_state_dict, save_checkpoint
 from zinf_compile.optim import ZinfOptimizer, optimizer
-from zinf_compile.records import compiles, last_plans, reset
+from zinf_compile.records import compiles, last_plans
+
+
+def reset() -> None:
+    """Forget everything zinf holds in this process, as a fresh one would start: compiled functions
+    (torch._dynamo.reset()), managed parameters (each gets its data back), optimizer states in the
+    tiers' files (moved into memory), offload engines and their swap files, compile records."""
+    from zinf_compile.runtime.state import RUNTIME
+
+    RUNTIME.reset()
 
 __version__ = "0.1.0"
 __all__ = ["BudgetError", "Plan", "ZinfConfig", "ZinfConfigError", "ZinfError", "ZinfOptimizer", "compiles",

@@ -32,7 +32,7 @@ from zinf_compile.config import ZinfConfig
 from zinf_compile.errors import BudgetError, ZinfError
 from zinf_compile.ir import output_node
 from zinf_compile.planner import PERSIST_BYTES, DeviceModel
-from zinf_compile.runtime.engine import get_engine, register_engine
+from zinf_compile.runtime.state import RUNTIME, get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
 
@@ -207,7 +207,7 @@ def _compiled(s: Session, req, run):
         raise
     by_pid = {info.pid: info for info in s.params}
     cand_pids = {m.pid for _, m, _ in req.candidates}
-    _take_over(s, [by_pid[pid] for pid in sorted(done.managed)])
+    _take_over(s, [by_pid[pid] for pid in sorted(done.managed)], done.plan.budget)
     _pin_resident((by_pid[pid] for pid in cand_pids - done.managed), s.token)
     return done
 
@@ -246,10 +246,6 @@ class _CompiledToken:
     torch._dynamo.reset()): the parameters its graphs read directly are pinned while it lives."""
 
 
-_TOKENS: "weakref.WeakValueDictionary[int, _CompiledToken]" = weakref.WeakValueDictionary()
-_PINS: dict[int, set[int]] = {}  # pid -> the tokens of the compiled functions reading it directly
-
-
 def _holding(fn, token: _CompiledToken):
     """fn, with the token in its closure: the pins of this compile live as long as Dynamo keeps the
     compiled function (Dynamo re-wraps what a backend returns, keeping its code and closure, not
@@ -266,17 +262,7 @@ def _holding(fn, token: _CompiledToken):
 def _pin_resident(infos, token: int) -> None:
     """Parameters a compiled graph reads directly: later compiles must not take them over while
     that graph lives (Dynamo would keep running it on their freed storage)."""
-    for info in infos:
-        _PINS.setdefault(info.pid, set()).add(token)
-
-
-def _pinned(pid: int) -> bool:
-    live = {t for t in _PINS.get(pid, ()) if t in _TOKENS}
-    if live:
-        _PINS[pid] = live
-    else:
-        _PINS.pop(pid, None)
-    return bool(live)
+    RUNTIME.pins.pin((info.pid for info in infos), token)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -346,18 +332,14 @@ def _maps_files(s: Session) -> bool:
     return s.device == "cpu" and s.engine.can_map()
 
 
-_WARNED: list = []
-
-
-def _take_over(s: Session, infos: list[ParamInfo]) -> None:
+def _take_over(s: Session, infos: list[ParamInfo], budget: int) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     if infos:
-        STORE.budget = min(STORE.budget or s.budget, s.budget)  # sizes the optimizer's NVMe chunks
-        if s.cfg.params == "auto" and not _WARNED:
-            _WARNED.append(True)
+        if s.cfg.params == "auto" and "auto-managed" not in RUNTIME.warned:
+            RUNTIME.warned.add("auto-managed")
             warnings.warn(
                 f"zinf: {len(infos)} parameter(s) do not fit the budget and are sharded to the {s.tier} tier "
                 "(params='auto'); their gradients go to the shards, not to p.grad: step them with "
@@ -366,11 +348,12 @@ def _take_over(s: Session, infos: list[ParamInfo]) -> None:
     with unset_fake_temporarily(), torch.no_grad():  # the partitioner runs under the compile's fake mode
         for info in infos:
             STORE.manage(info.pid, s.tier, s.engine_key,
-                         getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else None)
+                         getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else None, budget=budget)
 
 
 def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
-    from zinf_compile.runtime.params import STORE, take_over_refusal
+    from zinf_compile.runtime.params import take_over_refusal
+    from zinf_compile.runtime.state import STORE
 
     names = []
     for n in gm.graph.find_nodes(op="placeholder"):
@@ -386,7 +369,7 @@ def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:
             pid = STORE.identify(x, name)
             out.append(ParamInfo(i, pid, name, x.numel() * x.element_size(), tuple(x.shape), str(x.dtype),
                                  x.requires_grad, STORE.entry_by_id(pid) is not None,
-                                 take_over_refusal(x) is None and not _pinned(pid)))
+                                 take_over_refusal(x) is None and not RUNTIME.pins.pinned(pid)))
     return tuple(out)
 
 
@@ -425,9 +408,8 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
 
     cfg = ZinfConfig.from_options(options)
     token = _CompiledToken()
-    _TOKENS[id(token)] = token
     infos = _param_infos(gm, example_inputs)
-    session = Session.start(cfg, _graph_device(example_inputs), infos, id(token))
+    session = Session.start(cfg, _graph_device(example_inputs), infos, RUNTIME.pins.token(token))
     patches = {
         "custom_partitioner_fn": ZinfPartitioner(session),
         "post_grad_custom_post_pass": ZinfPostGrad(session),
@@ -437,7 +419,7 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         # parameter the forward returns (saved for the backward's gather) into a channels-last
         # buffer: a kernel reading a managed parameter's freed storage (SIGSEGV)
         patches["layout_optimization"] = False
-    from zinf_compile.runtime.params import STORE
+    from zinf_compile.runtime.state import STORE
 
     before = {e.index for e in STORE.entries()}
     try:

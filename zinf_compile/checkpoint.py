@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zinf_compile.errors import ZinfError
-from zinf_compile.runtime.params import STORE, Entry, world
+from zinf_compile.runtime.params import Entry, world
+from zinf_compile.runtime.state import STORE
 
 __all__ = ["full_state_dict", "load_state_dict", "save_checkpoint", "load_checkpoint"]
 

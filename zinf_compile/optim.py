@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 
 from zinf_compile.errors import ZinfError
-from zinf_compile.runtime.params import STORE, Entry, world
+from zinf_compile.runtime.params import Entry, world
+from zinf_compile.runtime.state import RUNTIME, STORE
 
 __all__ = ["ZinfOptimizer", "optimizer", "DEFAULT_CHUNK_ELEMS"]
 
@@ -61,10 +62,15 @@ _NVME_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparameters
 
 
-def optimizer(model, cls: type, **kwargs) -> "ZinfOptimizer":
+def optimizer(model, cls: type, *, chunk_elems: int | None = None, **kwargs) -> "ZinfOptimizer":
     """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
-    iterable of parameters / param-group dicts), stepping managed parameters where they live."""
-    return ZinfOptimizer(model, cls, **kwargs)
+    iterable of parameters / param-group dicts), stepping managed parameters where they live.
+
+    `chunk_elems`: elements per chunk of the NVMe tier's streamed step (a multiple of 4096). By
+    default the ring of chunk buffers takes at most half the budget its parameters were planned
+    under (the step runs between training steps, when the graphs' memory is free), and at most
+    DEFAULT_CHUNK_ELEMS; the other keyword arguments go to `cls`."""
+    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, **kwargs)
 
 
 def _supported_nvme() -> tuple[type, ...]:
@@ -140,7 +146,7 @@ class _NvmeState:
 class ZinfOptimizer(torch.optim.Optimizer):
     """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
 
-    def __init__(self, model, cls: type, **kwargs) -> None:
+    def __init__(self, model, cls: type, *, chunk_elems: int | None = None, **kwargs) -> None:
         # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
         # optimizer's. The hook tables are there for the methods inherited from the base class.
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -158,7 +164,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme_state: dict[int, _NvmeState] = {}  # id(entry) -> its streamed state (entries are held by the layout)
         self._pending: list[Callable[[], None]] = []  # state loads waiting for the layout (checkpoint.py)
         self._pool: ThreadPoolExecutor | None = None
-        self.chunk_elems = DEFAULT_CHUNK_ELEMS
+        if chunk_elems is not None and (int(chunk_elems) <= 0 or int(chunk_elems) % _ALIGN_ELEMS):
+            raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk_elems}")
+        self.chunk_elems = chunk_elems  # None: from the budget its parameters were planned under
+        RUNTIME.optimizers.add(self)  # zinf_compile.reset() brings its states home before the files go
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -550,6 +559,21 @@ class ZinfOptimizer(torch.optim.Optimizer):
             for s in given:
                 s.grad = None
 
+    def _chunk(self) -> int:
+        """Elements per chunk of the NVMe step: the user's `chunk_elems`, else the ring of chunk
+        buffers (3 slots x param, grad and up to 3 states, fp32 at most) in half of the smallest
+        budget this optimizer's NVMe parameters were planned under."""
+        if self.chunk_elems is not None:
+            chunk = int(self.chunk_elems)
+            if chunk <= 0 or chunk % _ALIGN_ELEMS:
+                raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk}")
+            return chunk
+        budgets = [e.budget for _, _, e in self._layout.nvme if e.budget]
+        if not budgets:
+            return DEFAULT_CHUNK_ELEMS
+        fit = min(budgets) // (2 * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
+        return max(_ALIGN_ELEMS, min(DEFAULT_CHUNK_ELEMS, fit))
+
     @property
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -559,17 +583,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def _nvme_step(self) -> None:
         """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
         with the arithmetic (the read of chunk i+1, the write of chunk i-1)."""
-        chunk = int(self.chunk_elems)
-        if chunk <= 0 or chunk % _ALIGN_ELEMS:
-            raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk}")
-        from zinf_compile.runtime.params import STORE
-
-        if STORE.budget and chunk == DEFAULT_CHUNK_ELEMS:
-            # the step runs between training steps, when the graph's memory is free: its ring of
-            # chunk buffers (3 slots x param, grad and up to 3 states, fp32 at most) takes at most
-            # half of the budget the graphs were planned for
-            fit = STORE.budget // (2 * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
-            chunk = max(_ALIGN_ELEMS, min(chunk, fit))
+        chunk = self._chunk()
         work = []
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import zinf_compile
 from zinf_compile.passes.verifier import saved_whole_parameters
-from zinf_compile.runtime.params import STORE
+from zinf_compile.runtime.state import STORE
 
 
 def build():

@@ -11,7 +11,6 @@ that overlaps compute: `prefetch` submits it to a thread pool, `wait` joins it.
 """
 from __future__ import annotations
 
-import atexit
 import itertools
 import math
 import os
@@ -419,34 +418,3 @@ def _pread_all(fd: int, mv: memoryview, off: int, upto_eof: bool = False) -> Non
                 return
             raise ZinfError("zinf: swap file ended early (was it removed or truncated?)")
         mv, off = mv[got:], off + got
-
-
-_ENGINES: dict[int, OffloadEngine] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def register_engine(key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> OffloadEngine:
-    with _ENGINES_LOCK:
-        eng = _ENGINES.get(key)
-        if eng is None:
-            eng = OffloadEngine(key, tier, offload_dir, io_threads, o_direct)
-            _ENGINES[key] = eng
-        return eng
-
-
-def get_engine(key: int) -> OffloadEngine:
-    try:
-        return _ENGINES[key]
-    except KeyError:
-        raise ZinfError(f"zinf: no offload engine #{key} in this process (compiled code from another?)") from None
-
-
-def close_all() -> None:
-    """Close every engine: stop I/O threads, remove swap files. Runs at exit too."""
-    with _ENGINES_LOCK:
-        for eng in _ENGINES.values():
-            eng.close()
-        _ENGINES.clear()
-
-
-atexit.register(close_all)

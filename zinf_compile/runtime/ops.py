@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from zinf_compile.runtime.engine import get_engine, inverse_order
+from zinf_compile.runtime.engine import inverse_order
+from zinf_compile.runtime.state import STORE, get_engine
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("offload(Tensor x, int engine, int[] dim_order) -> Tensor")
@@ -88,8 +89,6 @@ def _wait_fake(h, engine_key, dtype, device, dim_order):
 
 @torch.library.impl(_lib, "gather", "CompositeExplicitAutograd")
 def _gather(p, engine, tier):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.gather(p, engine, tier)
 
 
@@ -108,8 +107,6 @@ torch.library.register_fake("zinf::gather", _whole_fake, lib=_lib)
 
 @torch.library.impl(_lib, "reduce_grad", "CompositeExplicitAutograd")
 def _reduce_grad(g, p):
-    from zinf_compile.runtime.params import STORE
-
     STORE.reduce_grad(p, g)
     return g.new_empty((0,))
 
@@ -119,8 +116,6 @@ torch.library.register_fake("zinf::reduce_grad", _no_result_fake, lib=_lib)
 
 @torch.library.impl(_lib, "fetch", "CompositeExplicitAutograd")
 def _fetch(p, engine, tier):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.fetch(p, engine, tier)
 
 
@@ -134,8 +129,6 @@ torch.library.register_fake("zinf::fetch", _ticket_fake, lib=_lib)
 
 @torch.library.impl(_lib, "gather_from", "CompositeExplicitAutograd")
 def _gather_from(p, h, engine, tier):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.gather_from(p, h, engine, tier)
 
 
@@ -151,8 +144,6 @@ def _shard_fake(p, *_):
 
 @torch.library.impl(_lib, "shard", "CompositeExplicitAutograd")
 def _shard(p, engine, tier):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.local_shard(p, engine, tier)
 
 
@@ -161,8 +152,6 @@ torch.library.register_fake("zinf::shard", _shard_fake, lib=_lib)
 
 @torch.library.impl(_lib, "shard_from", "CompositeExplicitAutograd")
 def _shard_from(p, h, engine, tier):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.local_shard(p, engine, tier, handle=h)
 
 
@@ -171,8 +160,6 @@ torch.library.register_fake("zinf::shard_from", _shard_fake, lib=_lib)
 
 @torch.library.impl(_lib, "store_grad", "CompositeExplicitAutograd")
 def _store_grad(part, p):
-    from zinf_compile.runtime.params import STORE
-
     STORE.store_grad(p, part)
     return part.new_empty((0,))
 
@@ -188,8 +175,6 @@ def _rows_fake(p, *args):
 
 @torch.library.impl(_lib, "gather_rows", "CompositeExplicitAutograd")
 def _gather_rows(p, engine, tier, start, end):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.gather(p, engine, tier, rows=(start, end))
 
 
@@ -198,8 +183,6 @@ torch.library.register_fake("zinf::gather_rows", _rows_fake, lib=_lib)
 
 @torch.library.impl(_lib, "fetch_rows", "CompositeExplicitAutograd")
 def _fetch_rows(p, engine, tier, start, end):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.fetch(p, engine, tier, rows=(start, end))
 
 
@@ -208,8 +191,6 @@ torch.library.register_fake("zinf::fetch_rows", _ticket_fake, lib=_lib)
 
 @torch.library.impl(_lib, "gather_rows_from", "CompositeExplicitAutograd")
 def _gather_rows_from(p, h, engine, tier, start, end):
-    from zinf_compile.runtime.params import STORE
-
     return STORE.gather_from(p, h, engine, tier, rows=(start, end))
 
 
@@ -218,8 +199,6 @@ torch.library.register_fake("zinf::gather_rows_from", _rows_fake, lib=_lib)
 
 @torch.library.impl(_lib, "reduce_grad_rows", "CompositeExplicitAutograd")
 def _reduce_grad_rows(g, p, start, end):
-    from zinf_compile.runtime.params import STORE
-
     STORE.reduce_grad(p, g, rows=(start, end))
     return g.new_empty((0,))
 

@@ -99,6 +99,8 @@ class Entry:
     # bf16/fp16 model (mixed precision as ZeRO does it); the gathered copy has `dtype`
     master_dtype: torch.dtype | None = None
     file_nos: list = field(default_factory=list)  # swap-folder file numbers this entry holds
+    # the budget of the compile that took it over: its optimizer's default chunk size follows it
+    budget: int | None = None
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -122,7 +124,7 @@ class Entry:
 
     @property
     def engine(self):
-        from zinf_compile.runtime.engine import get_engine
+        from zinf_compile.runtime.state import get_engine
 
         return get_engine(self.engine_key)
 
@@ -313,7 +315,6 @@ class ParamStore:
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
         self._tickets = itertools.count(1)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
-        self.budget: int | None = None  # the smallest budget a compile managed parameters under
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -357,7 +358,8 @@ class ParamStore:
     def entries(self) -> list[Entry]:
         return sorted(self._entries.values(), key=lambda e: e.index)
 
-    def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None) -> Entry:
+    def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None,
+               budget: int | None = None) -> Entry:
         """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
         given), free its storage."""
         with self._lock:
@@ -376,7 +378,7 @@ class ParamStore:
             rank, size = world()
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
-                      master_dtype=master_dtype if master_dtype != param.dtype else None)
+                      master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
             try:
                 e.write_shard(e.slice_of(param.detach().reshape(-1)))
             except BaseException:
@@ -425,6 +427,13 @@ class ParamStore:
             k = _key(param)
             self._ids[k] = pid
             self._keys[pid] = k
+
+    def forget_all(self) -> None:
+        """After every entry was released (`Runtime.reset`): no fetch outstanding, counters at zero.
+        Parameter ids stay (finalizers hold them; a new id never reuses an old one)."""
+        with self._lock:
+            self._fetches.clear()
+            self.stats = dict.fromkeys(self.stats, 0) | {"fetch_waits_s": 0.0}
 
     def release_id(self, pid: int) -> None:
         param = self._params.get(pid, lambda: None)()
@@ -610,5 +619,3 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor) -> None:
     rank = dist.get_rank()
     out.copy_(inp[rank * out.numel():(rank + 1) * out.numel()])
 
-
-STORE = ParamStore()

@@ -1,0 +1,141 @@
+"""Everything zinf holds between compiles in one process, with one owner: `RUNTIME`.
+
+  engines   offload engines by key (I/O threads, swap folders): one per option set, shared by the
+            compiles made with those options; closed (files removed) by `reset()` and at exit
+  store     the parameter store: which parameters are managed, their shards, gradients and files
+  pins      the parameters a live compiled function reads directly (never taken over meanwhile)
+  warned    one-time warnings already given
+  optimizers  the zinf optimizers alive (weakly): reset moves their states home first
+
+Everything else a compile needs travels as plain values (the backend's `Session`, the `Plan`); the
+records of what each compile planned are `zinf_compile.records` (inspection only, cleared too).
+`zinf_compile.reset()` is `RUNTIME.reset()`: compiled code dropped first (nothing can run on state
+being torn down), then every managed parameter gets its data back, then the engines go.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import warnings
+import weakref
+
+from zinf_compile.errors import ZinfError
+from zinf_compile.runtime.engine import OffloadEngine
+from zinf_compile.runtime.params import ParamStore
+
+
+class Engines:
+    """Offload engines by key."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[int, OffloadEngine] = {}
+        self._lock = threading.Lock()
+
+    def register(self, key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> OffloadEngine:
+        with self._lock:
+            eng = self._by_key.get(key)
+            if eng is None:
+                eng = OffloadEngine(key, tier, offload_dir, io_threads, o_direct)
+                self._by_key[key] = eng
+            return eng
+
+    def get(self, key: int) -> OffloadEngine:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise ZinfError(f"zinf: no offload engine #{key} in this process (compiled code from another, "
+                            "or run after zinf_compile.reset()?)") from None
+
+    def values(self) -> list[OffloadEngine]:
+        return list(self._by_key.values())
+
+    def close(self) -> None:
+        """Close every engine: stop its I/O threads, remove its swap files."""
+        with self._lock:
+            engines, self._by_key = list(self._by_key.values()), {}
+        for eng in engines:
+            eng.close()
+
+
+class Pins:
+    """Parameters that compiled functions read directly, pinned while such a function lives.
+
+    A compile's token lives in the closure of the function the backend returns (Dynamo keeps code
+    and closure, not the function object): `torch._dynamo.reset()` drops it, and the pins with it."""
+
+    def __init__(self) -> None:
+        self._tokens: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._by_pid: dict[int, set[int]] = {}  # pid -> tokens of the live functions reading it
+
+    def token(self, token: object) -> int:
+        self._tokens[id(token)] = token
+        return id(token)
+
+    def pin(self, pids, token: int) -> None:
+        for pid in pids:
+            self._by_pid.setdefault(pid, set()).add(token)
+
+    def pinned(self, pid: int) -> bool:
+        live = {t for t in self._by_pid.get(pid, ()) if t in self._tokens}
+        if live:
+            self._by_pid[pid] = live
+        else:
+            self._by_pid.pop(pid, None)
+        return bool(live)
+
+    def clear(self) -> None:
+        self._by_pid.clear()
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.engines = Engines()
+        self.store = ParamStore()
+        self.pins = Pins()
+        self.warned: set[str] = set()
+        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()  # zinf optimizers alive
+
+    def reset(self) -> None:
+        """Back to a fresh process: compiled functions dropped (torch._dynamo.reset()), every
+        managed parameter given its data back (gathered from its shards: a collective under a
+        process group, so every rank calls it), engines closed and their files removed, pins,
+        warnings and compile records forgotten. An optimizer made before it steps whatever is
+        managed after it (its layout is looked up at every step)."""
+        import torch
+
+        from zinf_compile import records
+
+        torch._dynamo.reset()
+        self.pins.clear()
+        failed = []
+        for e in self.store.entries():
+            try:
+                self.store.release_id(e.index)
+            except Exception as err:  # the others still get theirs back
+                failed.append(f"{e.name}: {err}")
+        self.store.forget_all()
+        for opt in list(self.optimizers):  # their states leave the tiers' files while those are open
+            try:
+                opt._sync(run_pending=False)
+            except Exception as err:
+                failed.append(f"an optimizer's state: {err}")
+        self.engines.close()
+        self.warned.clear()
+        records.reset()
+        if failed:
+            warnings.warn("zinf: reset could not give these parameters their data back: " + "; ".join(failed),
+                          stacklevel=2)
+
+
+RUNTIME = Runtime()
+STORE = RUNTIME.store
+register_engine = RUNTIME.engines.register
+get_engine = RUNTIME.engines.get
+
+
+def close_all() -> None:
+    """Close every engine (stop I/O threads, remove swap files). Runs at exit too."""
+    RUNTIME.engines.close()
+
+
+atexit.register(close_all)
