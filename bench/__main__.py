@@ -12,6 +12,7 @@ BENCHMARKS = {
     "inference": "bench.inference",
     "planning": "bench.planning",
     "tiling": "bench.tiling",
+    "access": "bench.access",
     "training": "bench.training",
 }
 

@@ -200,3 +200,38 @@ def measure_steps(step, warmup: int, steps: int, meter: Meter | None = None) -> 
     moved = {k: (v - engines.get(k, 0)) / max(1, steps) for k, v in engine_bytes().items()}
     return dict(losses=losses, warmup_s=warm, step_s=times, held_after_warmup=after_warmup, peak=peak,
                 moved_per_step=moved)
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only): the next read of a swap file comes from the disk. False
+    where this process may not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def direct_read_bandwidth(folder: str, mib: int = 256) -> float | None:
+    """MB/s of `dd iflag=direct bs=16M` reading a fresh `mib` MiB file in `folder` (the disk the
+    offload folder is on, past the page cache); None where dd or O_DIRECT is not available."""
+    import re
+    import subprocess
+
+    path = os.path.join(folder, "zinf-dd-probe.bin")
+    try:
+        with open(path, "wb") as f:
+            for _ in range(mib):
+                f.write(os.urandom(1 << 20))
+        os.sync()
+        p = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"],
+                           capture_output=True, text=True, timeout=600)
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
+        return int(m.group(1)) / float(m.group(2)) / 1e6 if m and p.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        if os.path.exists(path):
+            os.remove(path)

@@ -429,6 +429,9 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
             patches["fx_graph_cache"] = False
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 fn = compile_fx(gm, example_inputs, config_patches=patches)
+        from zinf_compile.runtime.access import mark_all
+
+        mark_all()  # before Dynamo builds its guards: they expect the managed class (runtime/access.py)
         return _holding(fn, token)
     except BaseException:
         # the partitioner took parameters over, then something later failed: no graph will gather

@@ -405,6 +405,9 @@ class ParamStore:
                                     "storage of its own before compiling (p.data = p.data.clone()) or keep it "
                                     "resident (options={'params': 'resident'})") from err
                 raise
+            from zinf_compile.runtime.access import mark
+
+            mark(param)  # reads and writes outside the graph reach the shards (runtime/access.py)
             if param.grad is not None:
                 # a gradient accumulated while the parameter was resident joins the shard's
                 grad, param.grad = param.grad, None
@@ -445,9 +448,12 @@ class ParamStore:
         e = self.entry(param)
         if e is None:
             return
+        from zinf_compile.runtime.access import unmark
+
         full = self.full(e)
         with self._lock:
             del self._entries[e.index]
+        unmark(param)
         param.untyped_storage().resize_(e.nbytes)
         with torch.no_grad():
             param.copy_(full)
