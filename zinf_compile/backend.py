@@ -29,7 +29,7 @@ except ImportError:  # older torch (GPU machines carry 2.11): the partitioner's 
 
 from zinf_compile import records
 from zinf_compile.config import ZinfConfig
-from zinf_compile.errors import BudgetError, ZinfError
+from zinf_compile.errors import BudgetError, ZinfError, eager_fallback_refusal
 from zinf_compile.ir import output_node
 from zinf_compile.planner import PERSIST_BYTES, DeviceModel
 from zinf_compile.runtime.state import RUNTIME, get_engine, register_engine
@@ -433,7 +433,7 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
 
         mark_all()  # before Dynamo builds its guards: they expect the managed class (runtime/access.py)
         return _holding(fn, token)
-    except BaseException:
+    except BaseException as err:
         # the partitioner took parameters over, then something later failed: no graph will gather
         # them, so give them their data back (Dynamo may run the model eagerly next)
         for pid in {e.index for e in STORE.entries()} - before:
@@ -441,4 +441,7 @@ def zinf_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
                 STORE.release_id(pid)
             except Exception as cleanup:  # the compile's own error is the one to see
                 warnings.warn(f"zinf: could not give parameter #{pid} its data back: {cleanup}", stacklevel=2)
+        refusal = eager_fallback_refusal(err, example_inputs) if torch._dynamo.config.suppress_errors else None
+        if refusal is not None and isinstance(err, Exception):
+            return refusal  # not eager on freed parameters
         raise

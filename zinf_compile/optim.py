@@ -625,7 +625,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             v = views(i)
             off = start * w.entry.shard_dtype.itemsize
             futs = [pool.submit(w.engine.read_file, w.entry.fd, v["param"], off),
-                    pool.submit(w.engine.read_file, w.entry.grad_fd, v["grad"], off)]
+                    pool.submit(w.entry.read_grad_into, v["grad"], start)]  # with a pending clip's scale
             for name in w.names:
                 if w.step == 0:
                     v[name].zero_()  # torch starts its states at zeros; the files hold nothing yet

@@ -93,6 +93,9 @@ class Entry:
     # nvme tier: the flat [lo, hi) ranges of this step's gradient written so far, tile by tile
     # (empty: the whole file is this step's gradient when has_grad)
     grad_parts: set = field(default_factory=set)
+    # nvme tier: clip coefficients (0-dim tensors) not yet multiplied into the gradient file; every
+    # reader applies them in order (read_grad_into); see zinf_compile/grads.py
+    grad_scales: list = field(default_factory=list, repr=False)
     state_fds: dict = field(default_factory=dict)  # optimizer states in files (nvme tier)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # the shard's (and its gradient's and optimizer states') dtype: fp32 master shards under a
@@ -219,13 +222,43 @@ class Entry:
         if self.tier == "cpu":
             return self.grad
         out = self._host_buffer()
-        self.engine.read_file(self.grad_fd, out)
+        self.read_grad_into(out)
         return out
+
+    def read_grad_into(self, out: torch.Tensor, start: int = 0) -> None:
+        """Elements [start, start + len(out)) of the gradient file into `out`, scaled by the clip
+        coefficients pending on it (nvme tier; the file must be whole: complete_grad)."""
+        self.engine.read_file(self.grad_fd, out, start * self.shard_dtype.itemsize)
+        for coef in self.grad_scales:
+            out.mul_(coef)
+
+    def scale_grad(self, coef: torch.Tensor) -> None:
+        """Multiply the gradient by `coef` (a 0-dim CPU tensor) as torch's clip_grad_norm_ does
+        (`g.mul_(coef)`): the CPU tier in place, the NVMe tier when its file is next read."""
+        if not self.has_grad:
+            return
+        if self.tier == "cpu":
+            self.grad.mul_(coef)
+        else:
+            self.grad_scales.append(coef)
+
+    def _settle_grad_scales(self, chunk: int = 1 << 21) -> None:
+        """Multiply the pending clip coefficients into the gradient file (before adding to it)."""
+        self.complete_grad()
+        buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
+        for start in range(0, self.shard_numel, chunk):
+            part = buf[:min(chunk, self.shard_numel - start)]
+            self.read_grad_into(part, start)
+            self.engine.write_file(self.grad_fd, part, start * self.shard_dtype.itemsize)
+        self.grad_scales.clear()
 
     def add_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Accumulate `part` (this rank's flat gradient, or of `rows` of it, on the CPU in
         shard_dtype; the CPU tier keeps it: there no one may alias it) into the shard gradient."""
         with self.lock:
+            if self.grad_scales and self.has_grad:
+                self._settle_grad_scales()  # a gradient added to after a clip (rare): scale first
+            self.grad_scales.clear()
             if rows is None:
                 prev = self.read_grad()
                 self.write_grad(part if prev is None else prev.add_(part))
@@ -276,6 +309,7 @@ class Entry:
                 self.grad_fd = self._acquire()
             self.engine.write_file(self.grad_fd, flat.contiguous())
         self.grad_parts.clear()
+        self.grad_scales.clear()
         self.has_grad = True
 
     def state_fd(self, name: str) -> int:
@@ -384,6 +418,8 @@ class ParamStore:
             except BaseException:
                 e.close_files()
                 raise
+            from zinf_compile.grads import install
+            install()  # torch's clip_grad_norm_ and optimizers now meet managed parameters
             self._entries[pid] = e  # before the storage goes: a parameter is never freed unmanaged
             swapped = False
             try:
