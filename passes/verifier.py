@@ -8,7 +8,8 @@ naming the pass and the invariant.
 5. a weight's tiles are never stacked: tile i's rows are dead before tile i+2's are gathered;
 6. every wait reads a prefetch that stands before it in the same graph;
 7. every offload handle reaches exactly one prefetch (directly, or through the forward's outputs
-   into the backward placeholder), and nothing reads an offloaded tensor after its offload;
+   into one backward placeholder; the other placeholders it reaches are unread), and nothing reads
+   the offloaded storage after its offload, through any alias;
 and, once the plan is applied (`check_budget`):
 8. the re-analysed graphs, with prefetched data counted from the prefetch on, stay within budget.
 """
@@ -39,6 +40,7 @@ def check_invariants(graphs: Graphs, ctx: PassContext, after: str) -> None:
     for role, gm in graphs.items():
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
+        last_read = _last_reads(graph, order) if any(n.target is ops.offload for n in graph.nodes) else {}
         for n in graph.nodes:
             m = ir.meta(n)
             if n.op == "placeholder" and isinstance(m, ir.ParamMeta):
@@ -70,6 +72,11 @@ def check_invariants(graphs: Graphs, ctx: PassContext, after: str) -> None:
                 late = [u.name for u in src.users if u is not n and order.get(u, -1) > order[n]]
                 if late:
                     _fail(after, f"{src.name} is read by {late} after its offload {n.name}")
+                key = _storage(src)
+                reader = last_read.get(key) if key is not None else None
+                if reader is not None and order[reader] > order[n]:
+                    _fail(after, f"{reader.name} reads the storage of {src.name} (through another alias) after "
+                                 f"its offload {n.name}")
                 readers = [u for u in n.users if u.target is ops.prefetch or u.op == "output"]
                 if len(readers) != len(n.users) or not readers:
                     _fail(after, f"offload {n.name} is not consumed by exactly one prefetch (users: {list(n.users)})")
@@ -79,16 +86,40 @@ def check_invariants(graphs: Graphs, ctx: PassContext, after: str) -> None:
         if saved:
             _fail(after, f"the forward saves whole parameters for backward: {saved}")
         specs = graph_specs(graphs, ctx.num_fwd_outputs)
-        for spec in specs:  # a handle the forward returns must reach a prefetch in the backward
+        for spec in specs:  # a handle the forward returns must reach one prefetch in the backward
+            reached: dict[fx.Node, list] = {}
             for placeholder, fw_node in spec.saved.items():
                 if fw_node.target is ops.offload:
-                    users = list(placeholder.users)
-                    if len(users) != 1 or users[0].target is not ops.prefetch:
-                        _fail(after, f"the saved handle {fw_node.name} reaches {users} in backward, not one prefetch")
+                    reached.setdefault(fw_node, []).extend(placeholder.users)
+            for fw_node, users in reached.items():
+                if len(users) != 1 or users[0].target is not ops.prefetch:
+                    _fail(after, f"the saved handle {fw_node.name} reaches {users} in backward, not one prefetch")
     for group, nodes in ctx.inserted.items():
         if not nodes["wait"].users:
             _fail(after, f"the wait {nodes['wait'].name} of group {group} has no users: the tensor came back for "
                          "nothing")
+
+
+def _storage(n: fx.Node):
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = n.meta.get("val")
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+
+def _last_reads(graph: fx.Graph, order: dict) -> dict:
+    """Storage (of the fake values) -> the last node reading a tensor in it, the offloads and the
+    output aside (the output reads what the forward saves: handles where it offloads)."""
+    last: dict = {}
+    for u in graph.nodes:
+        if u.op == "output" or u.target is ops.offload:
+            continue
+        for inp in u.all_input_nodes:
+            key = _storage(inp)
+            if key is not None:
+                last[key] = u
+    return last
 
 
 def _reads_managed(u: fx.Node) -> bool:

@@ -38,20 +38,21 @@ FACTORIES = os.path.join(HERE, "hf_models.py")
 STEPS, LR = 3, 1e-3
 MiB = 1 << 20
 
-# The budget per model, between the two levers, measured on the code of 2025-12 with options
-# {"params": "offload"} and {"params": "resident"} at "100%" (HF: batch 4, seq 64):
+# The budget per model, between the two levers, measured on the code of 2026-12-03 (offloads of
+# storages read through several views) with options {"params": "offload"} and {"params": "resident"}
+# at "100%" (HF: batch 4, seq 64; /tmp/lb/measure.py-style: compile, one step, read the plans):
 #   model      managed peak  managed lower bound  resident lower bound  -> budget (MiB)
-#   gpt2           6.12            4.14                 5.33                4.7
-#   llama          6.83            4.88                 6.63                5.75
-#   mistral        7.33            4.88                 6.63                5.75
-#   qwen2          6.84            4.88                 6.63                5.75
-#   bert           6.10            3.40                 4.77                4.1
-#   t5            13.65            5.14                 7.89                6.5
+#   gpt2           6.12            2.71                 4.59                3.65
+#   llama          6.83            3.51                 5.26                4.4
+#   mistral        7.33            3.51                 5.39                4.4
+#   qwen2          6.84            3.51                 5.26                4.4
+#   bert           6.10            2.52                 3.90                3.2
+#   t5            13.65            4.76                 7.64                6.2
 #   bart   (8 graphs: LayerDrop's torch.rand breaks the graph at each layer in train mode)
-#     largest layer graph 3.40     1.88                 2.96
-#     loss graph          2.63     2.63                 2.88                2.76
+#     largest layer graph 3.40     1.64                 2.96
+#     loss graph          2.63     2.63                 2.88                2.92
 #   cnn            4.39            3.39                 5.73                3.9
-#   convfront      4.33            2.82                 3.92                3.35
+#   convfront      4.33            1.71                 3.55                2.65
 # The budget sits near the middle of (managed lower bound, min(resident lower bound, managed
 # peak)): ~12% or more from either edge, so an accounting change of a few percent leaves both
 # levers forced. BART is the exception: its loss graph cannot go below 2.63 MiB and its largest
@@ -61,15 +62,15 @@ MiB = 1 << 20
 # resident too: 2.88 MiB. Hence 2.92 MiB, a window of -1.4%, +1.4%. GPT-2's graph
 # break (a logging call before the loss) leaves a second graph, the loss over the logits (2.0 MiB).
 BUDGETS = {
-    "gpt2": 4.7 * MiB,
-    "llama": 5.75 * MiB,
-    "mistral": 5.75 * MiB,
-    "qwen2": 5.75 * MiB,
-    "bert": 4.1 * MiB,
-    "t5": 6.5 * MiB,
+    "gpt2": 3.65 * MiB,
+    "llama": 4.4 * MiB,
+    "mistral": 4.4 * MiB,
+    "qwen2": 4.4 * MiB,
+    "bert": 3.2 * MiB,
+    "t5": 6.2 * MiB,
     "bart": 2.92 * MiB,
     "cnn": 3.9 * MiB,
-    "convfront": 3.35 * MiB,
+    "convfront": 2.65 * MiB,
 }
 
 

@@ -59,7 +59,9 @@ def test_passes_rewrite_verify_and_pin(gpt_graphs):
     assert verify(ctx, nfo, report.name, graphs) <= BUDGET
     fw_out = next(iter(graphs["forward"].graph.find_nodes(op="output")))
     saved_handles = [a for a in fw_out.args[0] if getattr(a, "target", None) == torch.ops.zinf.offload.default]
-    assert len(saved_handles) == n  # the forward returns handles in place of the offloaded tensors
+    # the forward returns handles in place of the offloaded tensors: one per offload, in place of
+    # every alias of its storage the forward saved (q, k, v of one projection: several outputs)
+    assert len(set(saved_handles)) == n and len(saved_handles) >= n
 
     from torch._inductor.fx_passes.control_dependencies import control_deps
 
@@ -93,7 +95,8 @@ def test_inserted_ops_stand_where_the_plan_anchors_them(gpt_graphs):
         node = ctx.inserted[a.group][a.kind]
         anchor = ctx.step_node(a.step)
         step = node.prev if a.kind == "offload" else node.next
-        while step.target in zinf_ops:  # skip neighbours inserted at the same anchor
+        views = torch.ops.aten.as_strided.default  # a wait's rebuilt views follow it
+        while step.target in zinf_ops or step.target is views:  # skip neighbours inserted at the same anchor
             step = step.prev if a.kind == "offload" else step.next
         assert step is anchor, (a, node.name, anchor.name, step.name)
 

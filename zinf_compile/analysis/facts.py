@@ -56,9 +56,12 @@ class Gap:
     buffer: int
     after: int
     before: int
-    source: fx.Node  # the tensor the offload reads (defined by step `after`)
+    source: fx.Node  # the tensor the offload reads (defined by step `after`): covers the storage densely
     target: fx.Node  # the tensor the uses from `before` on read (replaced by the wait)
     dim_order: tuple[int, ...]
+    # the aliases read from `before` on when they are not just `target` covering the storage: each
+    # is rebuilt as a view (as_strided) of the waited storage; empty: `target` is the waited tensor
+    views: tuple[fx.Node, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -285,8 +288,10 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list) -> list[Gap]:
     """The gaps of a buffer that an offload can use.
 
     A gap qualifies when the buffer is an activation (inputs and outputs are held by the caller,
-    so moving them frees nothing), every use after the gap reads one alias that covers the whole
-    storage densely, and the tensor read before the gap covers it too.
+    so moving them frees nothing) and one tensor defined before the gap covers its storage densely
+    (the offload copies it). After the gap, one alias covering the storage densely is the waited
+    tensor itself; several aliases, or views that do not cover it (q, k and v of one projection),
+    are each rebuilt as a view of the waited storage (static sizes, strides and offsets).
     """
     if b.role not in ("activation", "saved") or b.nbytes == 0 or b.def_step < 0:
         return []
@@ -295,23 +300,55 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list) -> list[Gap]:
     for a, c in zip(events, events[1:]):
         if c - a < 2:
             continue
-        readers = [u for u in b.aliases if any(step_of.get(user, -1) >= c for user in u.users)]
-        if len(readers) != 1:
+        graph = graph_of_step[a]
+        # the aliases read from c on in c's graph (its output too: a tensor the forward saves)
+        readers = [u for u in b.aliases if u.graph is graph_of_step[c] and _before(u, c, step_of)
+                   and any(step_of.get(user, -1) >= c or user.op == "output" for user in u.users)]
+        if not readers:
             continue
-        target = readers[0]
-        if target.graph is graph_of_step[a]:
-            source = target if target.op == "placeholder" or step_of[target] <= a else None
-        else:
-            source = _saved_source(b, target, a, step_of)
-        if source is None:
+        cross = readers[0].graph is not graph
+        if len(readers) == 1 and _covers(readers[0], b):
+            target = readers[0]
+            source = (target if target.op == "placeholder" or step_of[target] <= a else None) if not cross \
+                else _saved_source(b, target, a, step_of)
+            if source is not None and _covers(source, b):
+                out.append(Gap(b.id, a, c, source, target, tuple(dense_dim_order(source.meta["val"]))))
+                continue
+        # several readers, or one that does not cover the storage: a covering base, views rebuilt
+        if not all(_static_view(r, b) for r in readers) or (cross and any(r.op != "placeholder" for r in readers)):
             continue
-        order = dense_dim_order(source.meta["val"])
-        if order is None or tensor_nbytes(source.meta["val"]) != b.nbytes:
+        bases = [n for n in b.aliases if n.graph is graph and (n.op == "placeholder" or step_of.get(n, 10**18) <= a)
+                 and _covers(n, b) and _static_view(n, b) and n.meta["val"].storage_offset() == 0]
+        if not bases:
             continue
-        if dense_dim_order(target.meta["val"]) is None:
+        source = bases[0]
+        if any(r.meta["val"].dtype != source.meta["val"].dtype for r in readers):
             continue
-        out.append(Gap(b.id, a, c, source, target, tuple(order)))
+        out.append(Gap(b.id, a, c, source, readers[0], tuple(dense_dim_order(source.meta["val"])), tuple(readers)))
     return out
+
+
+def _before(n: fx.Node, c: int, step_of: dict) -> bool:
+    """Whether alias `n` exists before step c (so its later uses must be redirected)."""
+    return n.op == "placeholder" or step_of.get(n, 10**18) < c
+
+
+def _covers(n: fx.Node, b: Buffer) -> bool:
+    val = n.meta.get("val")
+    return (isinstance(val, torch.Tensor) and dense_dim_order(val) is not None
+            and tensor_nbytes(val) == b.nbytes)
+
+
+def _static_view(n: fx.Node, b: Buffer) -> bool:
+    """Sizes, strides and offset known as integers (a view of the waited storage can be rebuilt)."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        ints = [*val.shape, *val.stride(), val.storage_offset()]
+    except RuntimeError:
+        return False
+    return all(isinstance(x, int) for x in ints)
 
 
 def _saved_source(b: Buffer, target: fx.Node, a: int, step_of: dict) -> fx.Node | None:
