@@ -48,13 +48,18 @@ def _config(name: str):
     raise ValueError(f"unknown model {name!r}; one of {NAMES}")
 
 
-def hf_config(name: str):
+def hf_config(name: str, layers: int = LAYERS):
     cfg = _config(name)
     cfg.torch_dtype = torch.float32
+    if layers != LAYERS:  # every config's own names for its depth
+        for key in ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+                    "decoder_layers"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, int(layers))
     return cfg
 
 
-def hf_model(name: str, seed: int = 0):
+def hf_model(name: str, seed: int = 0, layers: int = LAYERS):
     """The bare Hugging Face model, fp32, initialised from `seed`."""
     import transformers as tf
 
@@ -62,7 +67,7 @@ def hf_model(name: str, seed: int = 0):
            "qwen2": tf.Qwen2ForCausalLM, "bert": tf.BertForMaskedLM, "t5": tf.T5ForConditionalGeneration,
            "bart": tf.BartForConditionalGeneration}[name]
     torch.manual_seed(seed)
-    model = cls(hf_config(name))
+    model = cls(hf_config(name, layers))
     model.train()  # dropout is 0 everywhere: train mode is deterministic too
     return model
 
@@ -92,9 +97,9 @@ class Positional(nn.Module):
         return self.model(**dict(zip(self.keys, tensors)))
 
 
-def build(name: str = "gpt2", batch: int = BATCH, seq: int = SEQ, seed: int = 0):
+def build(name: str = "gpt2", batch: int = BATCH, seq: int = SEQ, seed: int = 0, layers: int = LAYERS):
     """(model, example inputs) for `zinf plan`; built in place, so it also works under FakeTensorMode."""
-    model = hf_model(name, seed)
+    model = hf_model(name, seed, int(layers))
     inputs = hf_batch(name, int(batch), int(seq))
     return Positional(model, tuple(inputs)), tuple(inputs.values())
 
