@@ -2,7 +2,8 @@
 them gives their value, writing them reaches the shards, eager code (the uncompiled model, a frame
 Dynamo gave up on) computes with them and sends their gradients to the shards. Nothing crashes the
 process, nothing is silently stale. One compiled MLP (both matrices managed, biases resident) and one
-Hugging Face GPT-2 (tied embedding) are shared by the tests."""
+Hugging Face GPT-2 (tied embedding) are shared by the tests; two ranks run
+tests/workers/dist_access.py. An HF Llama on both tiers and HF's Trainer: tests/test_access_hf.py."""
 from __future__ import annotations
 
 import copy
@@ -168,3 +169,61 @@ def test_hf_gpt2_state_dict_and_save_pretrained_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(back(**batch).loss, ref(**batch).loss)
     zinf_compile.reset()
+
+
+def test_two_ranks_read_load_and_deepcopy(tmp_path, offload_root):
+    """Over 2 gloo ranks (tests/workers/dist_access.py), every rank's reads gather the whole value:
+    state_dict() and p.norm() on each rank equal zinf's own gather (full_state_dict) bit for bit and
+    one process's training within tests/test_dist.py's bounds (the mean over ranks of two half-batch
+    gradients rounds differently); load_state_dict writes each rank exactly its slice; the compiled
+    step after it computes one process's loss on the loaded values; deepcopy works on every rank."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "access")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(root, "tests", "workers", "dist_access.py"), out, "nvme", os.path.join(offload_root, "access2")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(f"{out}.{r}.pt") for r in range(2)]
+    sys.path.insert(0, os.path.join(root, "tests", "workers"))
+    from dist_access import batch, loaded_state
+    from dist_train import build
+
+    x, y = batch()
+    ref = build()  # one process, the whole batch, torch's AdamW
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    first = torch.nn.functional.mse_loss(ref(x), y)
+    first.backward()
+    opt.step()
+    opt.zero_grad()
+    want = {k: v.clone() for k, v in ref.state_dict().items()}  # the load below writes ref's tensors
+    loaded = loaded_state()
+    ref.load_state_dict(loaded)
+    after_load = torch.nn.functional.mse_loss(ref(x), y)
+    for got in ranks:
+        assert got["world"] == 2 and got["managed"] == ["0.weight", "2.weight"]
+        assert got["first"] == pytest.approx(first.item(), rel=1e-5)
+        assert got["state"].keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got["state"][k], ranks[0]["state"][k]) and torch.equal(got["state"][k], got["full"][k])
+            torch.testing.assert_close(got["state"][k], v, rtol=0, atol=1e-4, msg=k)
+            assert torch.equal(got["norms"][k], got["state"][k].norm()), k
+        for name, (shard, (lo, hi)) in got["shards"].items():
+            flat = loaded[name].reshape(-1)
+            valid = max(0, min(hi, flat.numel()) - lo)
+            assert hi - lo == shard.numel() and torch.equal(shard[:valid], flat[lo:lo + valid]), name
+        assert got["after_load"] == pytest.approx(after_load.item(), rel=1e-5)
+        assert got["twin_plain"] and all(torch.equal(got["twin_state"][k], got["state_after"][k]) for k in want)
+        twin = build()
+        twin.load_state_dict(got["twin_state"])
+        with torch.no_grad():
+            assert torch.equal(got["twin_out"], twin(x))
+    lo0, hi0 = ranks[0]["shards"]["0.weight"][1]
+    lo1, _ = ranks[1]["shards"]["0.weight"][1]
+    assert lo0 == 0 and hi0 == lo1  # each rank holds its own half
+    for k in want:
+        assert torch.equal(ranks[0]["twin_state"][k], ranks[1]["twin_state"][k])

@@ -187,6 +187,26 @@ def test_nvme_pending_scale_reaches_the_step_and_accumulation(offload_root):
         release(model)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_module_zero_grad_clears_managed_gradients(offload_root, tier, set_to_none):
+    """model.zero_grad() (Hugging Face's Trainer zeroes this way, never through the optimizer)
+    clears the shards' gradients too: the next backward's gradient is that backward's alone (it
+    summed into the stale one before)."""
+    model, ref = managed_pair(tier, offload_root)
+    try:
+        give_grads(model, ref, seed=3)
+        model.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+        model(x).square().mean().backward()  # eager on managed parameters: reduced into the shards
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(grad_of(p), q.grad)
+    finally:
+        release(model)
+
+
 def test_plain_optimizer_over_managed_parameters_is_refused(offload_root):
     model, _ = managed_pair("cpu", offload_root)
     try:

@@ -25,6 +25,11 @@ never update a managed parameter. Both silently.
                       torch optimizer that holds a managed parameter. `get_total_norm` takes
                       gradient tensors, not parameters: a managed parameter's never reaches it, so
                       it is left alone (use clip_grad_norm_ or total_norm here).
+                      And `nn.Module.zero_grad` clears the gradient shards of the module's managed
+                      parameters after torch's own (a loop that zeroes through the model, as
+                      Hugging Face's Trainer does, would otherwise sum every step's gradient into
+                      the shards: measured, Trainer's second grad_norm 1.90 where Inductor's is 1.64).
+                      One dict lookup per parameter per call, none while nothing is managed.
 
 Names bound before install (`from torch.nn.utils import clip_grad_norm_` at the top of a script
 that runs before the first compile) keep torch's function: call `zinf_compile.clip_grad_norm_`.
@@ -223,6 +228,30 @@ def _dispatching(torch_fn, zinf_fn):
     return dispatch
 
 
+def _module_zero_grad(torch_fn):
+    """nn.Module.zero_grad, then the module's managed parameters' gradient shards cleared as
+    ZinfOptimizer.zero_grad clears them (set_to_none=False zeroes the CPU tier's in place)."""
+
+    @functools.wraps(torch_fn)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch_fn(self, set_to_none)
+        if not len(STORE):
+            return
+        entries = []
+        for p in self.parameters():
+            e = STORE.entry(p)
+            if e is None:
+                continue
+            if not set_to_none and e.has_grad and e.grad is not None:
+                e.grad.zero_()
+            else:
+                entries.append(e)
+        STORE.zero_grad(entries)
+
+    zero_grad.__zinf_wraps__ = torch_fn
+    return zero_grad
+
+
 def _refuse_plain_optimizer(opt, args, kwargs) -> None:
     """Global step pre-hook: a torch optimizer holding a managed parameter would never update it
     (its p.grad stays None). ZinfOptimizer's inner optimizers hold flat shard tensors, not
@@ -248,8 +277,9 @@ def _refuse_plain_optimizer(opt, args, kwargs) -> None:
 
 
 def install() -> None:
-    """Make torch's clip_grad_norm_ / clip_grads_with_norm_ count managed gradients and refuse plain
-    optimizers over managed parameters. Once per process; called by ParamStore.manage."""
+    """Make torch's clip_grad_norm_ / clip_grads_with_norm_ count managed gradients, Module.zero_grad
+    clear them, and refuse plain optimizers over managed parameters. Once per process; called by
+    ParamStore.manage."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -262,4 +292,7 @@ def install() -> None:
     if hasattr(utils, "clip_grads_with_norm_") and not hasattr(utils.clip_grads_with_norm_, "__zinf_wraps__"):
         _TORCH["clip_grads_with_norm_"] = utils.clip_grads_with_norm_
         utils.clip_grads_with_norm_ = _dispatching(utils.clip_grads_with_norm_, clip_grads_with_norm_)
+    if not hasattr(torch.nn.Module.zero_grad, "__zinf_wraps__"):
+        _TORCH["zero_grad"] = torch.nn.Module.zero_grad
+        torch.nn.Module.zero_grad = _module_zero_grad(torch.nn.Module.zero_grad)
     _TORCH["hook"] = register_optimizer_step_pre_hook(_refuse_plain_optimizer)
