@@ -202,3 +202,46 @@ def test_plan_without_tiling_names_the_bound_and_max_tile_bytes_forces_tiles(tmp
     plan = Plan.load(str(tmp_path / "plan.json"))
     assert plan.tiles and all(t.tile_nbytes <= 200_000 for t in plan.tiles)
     assert {t.count for t in plan.tiles} == {-(-600 * 600 * 4 // 200_000)}
+
+
+FACTORY = GPT
+TINY = ["--arg", "layers=1", "--arg", "hidden=64", "--arg", "seq=16", "--arg", "batch=2"]
+
+
+def test_bad_inputs_exit_2_with_one_message(tmp_path, capsys):
+    """A user's mistake is one line saying what is wrong, exit 2, never a traceback."""
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", FACTORY, *TINY, "--out", str(tmp_path), "--no-report"]) == 0
+    good = json.loads(plan_path.read_text())
+    cases = {
+        "missing.json": None,
+        "garbage.json": "not json {",
+        "list.json": "[1, 2]",
+        "empty.json": "{}",
+        "future.json": json.dumps({**good, "version": 99}),
+        "nofield.json": json.dumps({k: v for k, v in good.items() if k != "steps"}),
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        capsys.readouterr()
+        assert main(["show", str(path)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("zinf: error: ") and name in err and "Traceback" not in err, (name, err)
+    for args in (["--arg", "=5"], ["--arg", "layers=many"], ["--arg", "nonsense=1"]):
+        capsys.readouterr()
+        assert main(["plan", FACTORY, *args, "--out", str(tmp_path), "--no-report"]) == 2, args
+        err = capsys.readouterr().err
+        assert "zinf: error: " in err and "Traceback" not in err, (args, err)
+
+
+def test_bad_options_name_the_mistake():
+    import pytest
+
+    import zinf_compile
+    from zinf_compile.config import ZinfConfig
+
+    for bad in ("budget=1GB", 5, [("budget", "1GB")]):
+        with pytest.raises(zinf_compile.ZinfConfigError, match="options must be a dict"):
+            ZinfConfig.from_options(bad)

@@ -153,6 +153,31 @@ def test_nvme_tier_rejects_other_optimizers(offload_root):
         opt.step()
 
 
+def test_nvme_step_interrupts_and_failures_say_what_they_are(offload_root, monkeypatch):
+    """Ctrl-C in the streamed step arrives as KeyboardInterrupt; an I/O error (zinf's own, e.g. a
+    full disk) says the step is partly applied."""
+    import zinf_compile.optim as zoptim
+
+    model = small()
+    manage(model, "nvme", offload_root)
+    opt = optimizer(model, torch.optim.AdamW, lr=0.1, chunk_elems=4096)
+    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+
+    def interrupt(w, v):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(zoptim, "_adam_chunk", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+
+    def full_disk(w, v):
+        raise ZinfError("zinf: No space left on device writing to /nvme/zinf")
+
+    monkeypatch.setattr(zoptim, "_adam_chunk", full_disk)
+    with pytest.raises(ZinfError, match="No space left on device.*partly updated"):
+        opt.step()
+
+
 def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
     """The pipelined swapper: chunk i+1's read is in flight while chunk i computes, and chunk i-1's
     write still runs when chunk i computes (each waits for the other, so a serial step would time out)."""

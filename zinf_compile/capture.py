@@ -45,6 +45,8 @@ def parse_args(pairs: list[str]) -> dict[str, Any]:
         if "=" not in p:
             raise ZinfConfigError(f"--arg expects key=value, got {p!r}")
         k, v = p.split("=", 1)
+        if not k.strip().isidentifier():
+            raise ZinfConfigError(f"--arg expects key=value with a keyword name as key, got {p!r}")
         for conv in (int, float):
             try:
                 out[k] = conv(v)
@@ -132,7 +134,10 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
         return gm
 
     with FakeTensorMode(allow_non_fake_inputs=False), _compiling():
-        built = factory(**kwargs)
+        try:
+            built = factory(**kwargs)
+        except TypeError as e:  # a wrong or wrongly typed --arg, as the factory saw it
+            raise ZinfConfigError(f"the factory rejected its arguments {kwargs}: {e}") from e
         if not (isinstance(built, tuple) and len(built) == 2):
             raise ZinfConfigError("FACTORY must return (model, example_inputs)")
         model, inputs = built

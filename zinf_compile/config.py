@@ -59,7 +59,13 @@ class ZinfConfig:
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
+        if options is not None and not isinstance(options, Mapping):
+            raise ZinfConfigError(
+                f"options must be a dict of zinf options, e.g. options={{'budget': '1GiB'}}; got "
+                f"{type(options).__name__} {options!r}")
         options = dict(options or {})
+        if any(not isinstance(k, str) for k in options):
+            raise ZinfConfigError(f"option names must be strings, got {sorted(map(repr, options))}")
         unknown = sorted(set(options) - set(ZinfConfig.OPTIONS))
         if unknown:
             raise ZinfConfigError(

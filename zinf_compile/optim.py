@@ -656,10 +656,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 _wait_all(futs, raise_=False)
             for futs in writes.values():
                 _wait_all(futs, raise_=False)
-            if isinstance(err, ZinfError):
+            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves
                 raise
-            raise ZinfError(f"zinf: the NVMe-tier optimizer step failed ({type(err).__name__}: {err}); the "
-                            "parameters and states of this step are partly updated") from err
+            what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
+            raise ZinfError(f"zinf: the NVMe-tier optimizer step failed ({what}); the parameters and states "
+                            "of this step are partly updated") from err
         for w in work:
             self._nvme_state[id(w.entry)] = _NvmeState(w.step + 1, w.names)
 

@@ -177,8 +177,23 @@ class Plan:
 
     @staticmethod
     def load(path: str) -> "Plan":
-        with open(path) as f:
-            return Plan.from_json(json.load(f))
+        """The plan in the JSON file `path`; a ZinfError naming the file for anything else."""
+        from zinf_compile.errors import ZinfError
+
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ZinfError(f"cannot read plan {path!r}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ZinfError(f"{path!r} is not a zinf plan (not JSON: {e})") from None
+        if not isinstance(data, dict):
+            raise ZinfError(f"{path!r} is not a zinf plan (a JSON {type(data).__name__}, not an object)")
+        try:
+            return Plan.from_json(data)
+        except (ValueError, TypeError, KeyError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ZinfError(f"{path!r} is not a plan this zinf reads: {what}") from None
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -4,14 +4,69 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
+import socket
 import threading
 import weakref
 
 from zinf_compile.errors import ZinfConfigError, ZinfError
 
 
+_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def reap_dead(offload_dir: str) -> list[str]:
+    """Remove the swap folders of this host's zinf processes that are gone (killed: no exit ran).
+    A folder is recognised by its name alone, `zinf-<host>-<pid>-<token>`; another host's folders
+    (a shared file system) and live processes' are left alone. Returns what it removed."""
+    removed = []
+    try:
+        names = os.listdir(offload_dir)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[0] != "zinf" or parts[1] != _HOST or not parts[2].isdigit():
+            continue
+        pid = int(parts[2])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        path = os.path.join(offload_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a job scheduler stopping the run) exits like Ctrl-C's normal exit: the interpreter
+    unwinds, exit handlers run and the swap folder goes. Only where SIGTERM still has its default
+    action and this is the main thread: a handler the program set stays its own."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        pass
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 class SwapDir:
-    """`<offload_dir>/zinf-<pid>-<token>/`, holding reusable swap files `swap-<n>.bin`.
+    """`<offload_dir>/zinf-<host>-<pid>-<token>/`, holding reusable swap files `swap-<n>.bin`.
 
     Files are reused: a file freed by one tensor is rewritten by the next, so a training loop opens
     a fixed set of files. Everything this object created (including missing parents of the offload
@@ -41,7 +96,8 @@ class SwapDir:
                         raise NotADirectoryError(f"{d!r} exists and is not a directory") from None
                     continue
                 self._created.append(d)
-            self.path = os.path.join(offload_dir, f"zinf-{os.getpid()}-{secrets.token_hex(4)}")
+            reap_dead(offload_dir)
+            self.path = os.path.join(offload_dir, f"zinf-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
             os.mkdir(self.path)
             self._created.append(self.path)
             probe = os.path.join(self.path, "probe")
@@ -59,6 +115,7 @@ class SwapDir:
             self.o_direct = False
         # runs on close(), when this object dies, or at interpreter exit, whichever comes first
         self._finalizer = weakref.finalize(self, SwapDir._cleanup, os.getpid(), self._fds, list(self._created))
+        _exit_on_sigterm()
 
     def _supports_o_direct(self) -> bool:
         flag = getattr(os, "O_DIRECT", None)
