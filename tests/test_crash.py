@@ -58,3 +58,62 @@ def test_a_killed_process_folder_is_reaped_by_the_next(tmp_path):
         live.kill()
         live.wait(30)
     assert reap_dead(str(tmp_path)) and _folders(tmp_path) == [other.name]
+
+
+def test_a_forked_child_reads_the_model_and_cannot_write_the_parents_files(tmp_path):
+    """A forked child (a DataLoader worker running the model) gets its own I/O threads and swap
+    folder: inference works (no hang on the parent's thread pool), training is refused with a
+    clear error (it would write the parent's shard files), and the parent's files are untouched."""
+    import pickle
+    import select
+
+    import torch
+    import torch.nn as nn
+
+    import zinf_compile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    ref = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    ref.load_state_dict(model.state_dict())
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
+                                                         "offload_dir": str(tmp_path)})
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(8, 128)
+    cm(x).sum().backward()  # compiled, parameters managed
+    opt.zero_grad()
+    ours = _folders(tmp_path)
+    before = {f: os.path.getsize(os.path.join(tmp_path, ours[0], f)) for f in os.listdir(tmp_path / ours[0])}
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        out = {}
+        torch.set_num_threads(1)  # as DataLoader workers do (the parent's OpenMP pool is not here)
+        try:
+            out["equal"] = bool(torch.allclose(cm(x), ref(x), atol=1e-6))  # the graph compiled above
+            try:
+                cm(x).sum().backward()
+                opt.step()
+                out["train"] = "no error"
+            except zinf_compile.ZinfError as e:
+                out["train"] = str(e)
+        except BaseException as e:  # noqa: BLE001  (reported to the parent)
+            out["error"] = repr(e)
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], 120)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert ready, "the forked child hung"
+    out = pickle.loads(os.read(r, 1 << 16))
+    os.waitpid(pid, 0)
+    assert "error" not in out, out
+    assert out["equal"]
+    assert "forked" in out["train"] and "spawn" in out["train"]
+    after = {f: os.path.getsize(os.path.join(tmp_path, ours[0], f)) for f in os.listdir(tmp_path / ours[0])}
+    assert after == before
+    assert torch.allclose(cm(x), ref(x), atol=1e-6)  # the parent goes on
+    zinf_compile.reset()
+    assert _folders(tmp_path) == []  # the child's folder too (it ended without exit handlers)

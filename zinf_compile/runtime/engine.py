@@ -82,8 +82,22 @@ class OffloadEngine:
         self._reads: dict[int, PendingRead] = {}
         self._side_streams: dict[torch.device, object] = {}
         self.stats = {"offloads": 0, "prefetches": 0, "waits": 0, "bytes_written": 0, "bytes_read": 0}
+        self._parent_fds: frozenset[int] = frozenset()  # in a forked child: the parent's files, read-only
         if tier == "nvme":
             self.swap  # fail now, naming the path, rather than in the middle of a step
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the parent's I/O threads do not exist here and its locks may have been
+        held at the fork; the child gets its own threads, lock and swap folder for what it writes
+        (activations), and may only read the parent's files (its in-flight handles are void)."""
+        self._lock = threading.RLock()
+        self._pool = None
+        if self._swap is not None:
+            self._parent_fds = frozenset(self._swap._fds.values()) | self._parent_fds
+            self._swap.disown()
+            self._swap = None
+        self._stored.clear()
+        self._reads.clear()
 
     # -- resources, made on first use ---------------------------------------------------------
     @property
@@ -328,6 +342,10 @@ class OffloadEngine:
     # -- whole files, for the parameter store and the optimizer ----------------------------------
     def write_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
         """t's bytes (contiguous, on the CPU) into the file at `offset`, in parallel chunks."""
+        if fd in self._parent_fds:
+            raise ZinfError("zinf: this process was forked from the one whose swap files hold the model's shards "
+                            "and states; a forked child may read them (inference) but not write them (training, "
+                            "an optimizer step): start workers with the 'spawn' method, or train in the parent")
         self._run_chunks(self._write_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_written"] += t.numel() * t.element_size()
 

@@ -15,6 +15,7 @@ being torn down), then every managed parameter gets its data back, then the engi
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import warnings
 import weakref
@@ -127,7 +128,20 @@ class Runtime:
                           stacklevel=2)
 
 
+    def after_fork_in_child(self) -> None:
+        """A forked child (DataLoader workers, multiprocessing): fresh locks and I/O threads, its
+        own swap folders; the parent's files are read-only here (runtime/engine.py)."""
+        self.engines._lock = threading.Lock()
+        for eng in self.engines.values():
+            eng.after_fork_in_child()
+        self.store._lock = threading.RLock()
+        self.store._fetches.clear()  # the parent's reads in flight: void here
+        for e in self.store.entries():
+            e.lock = threading.Lock()
+
+
 RUNTIME = Runtime()
+os.register_at_fork(after_in_child=RUNTIME.after_fork_in_child)
 STORE = RUNTIME.store
 register_engine = RUNTIME.engines.register
 get_engine = RUNTIME.engines.get

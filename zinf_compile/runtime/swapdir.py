@@ -160,6 +160,11 @@ class SwapDir:
     def close(self) -> None:
         self._finalizer()
 
+    def disown(self) -> None:
+        """In a forked child: this folder is the parent's; never close, reuse or remove it here."""
+        self._finalizer.detach()
+        self._free = []
+
     def _remove_created(self) -> None:
         for d in reversed(self._created):
             shutil.rmtree(d, ignore_errors=True)
@@ -169,6 +174,8 @@ class SwapDir:
     def _cleanup(owner_pid: int, fds: dict[int, int], created: list[str]) -> None:
         if os.getpid() != owner_pid:
             return  # a forked child exiting: the folder is the parent's
+        if created:  # forked children that ended without exit handlers (multiprocessing): theirs too
+            reap_dead(os.path.dirname(created[-1]))
         for fd in fds.values():
             try:
                 os.close(fd)
