@@ -14,6 +14,7 @@ BENCHMARKS = {
     "tiling": "bench.tiling",
     "access": "bench.access",
     "training": "bench.training",
+    "tokens": "bench.tokens",
 }
 
 

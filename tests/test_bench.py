@@ -64,3 +64,29 @@ def test_each_rank_writes_its_own_result_and_run_reads_them_all(tmp_path, monkey
             assert json.load(f) == {"rank": rank}
     assert not os.path.exists(out)  # no single-process file when there are ranks
     assert _harness.serve(argparse.Namespace(worker=None, result=out), lambda a: {}) is None  # the parent
+
+
+def test_tokens_keeps_the_largest_batch_within_the_budget_and_compares_losses_with_inductor():
+    """bench tokens' summary (no processes run): the largest batch whose growth is within the
+    budget, what stopped the doubling, and bit-identity with Inductor at the batches both ran."""
+    from bench import tokens
+
+    def run(name, batch, growth_mib, loss=1.0, planned=True):
+        r = dict(contender=name, batch=batch, tokens=batch * 128, planned=planned)
+        if planned:
+            r.update(growth=growth_mib << 20, losses=[loss, loss], step_s=[0.1 * batch, 0.3 * batch])
+        else:
+            r["error"] = "BudgetError: no plan"
+        return r
+
+    runs = [run("inductor", 1, 20), run("zinf", 1, 20), run("inductor", 2, 40), run("zinf", 2, 30),
+            run("inductor", 4, 80), run("zinf", 4, 50, loss=1.5), run("zinf", 8, 0, planned=False)]
+    s = tokens.summarize(runs, ["inductor", "zinf"], 64 << 20)
+    assert (s["inductor"]["largest_batch"], s["inductor"]["tokens"]) == (2, 256)
+    assert s["inductor"]["stopped_by"].startswith("growth 80.0 MiB at batch 4")
+    assert (s["zinf"]["largest_batch"], s["zinf"]["step_s_median"]) == (4, pytest.approx(0.8))
+    assert s["zinf"]["stopped_by"].startswith("error: BudgetError")
+    assert s["zinf"]["batches_compared_with_inductor"] == [1, 2, 4]  # inductor ran 4, over its budget
+    assert not s["zinf"]["losses_bit_identical_to_inductor"] and s["zinf"]["max_loss_diff_vs_inductor"] == 0.5
+    v = tokens._versus(runs, s)
+    assert v["zinf_tokens_over_inductor"] == 2.0 and v["zinf_step_time_over_inductor"] == pytest.approx(1.0)
