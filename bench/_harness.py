@@ -235,3 +235,20 @@ def direct_read_bandwidth(folder: str, mib: int = 256) -> float | None:
     finally:
         if os.path.exists(path):
             os.remove(path)
+
+
+def run_worker(args, worker, needs_dir: bool = True) -> int:
+    """A benchmark's `--worker` entry: one contender, its result served to the parent (`--result`)
+    or printed as JSON when run by hand; a swap folder made (and removed) when the contender
+    `needs_dir` and none was given."""
+    own = needs_dir and not args.offload_dir  # run by hand: make (and remove) a swap folder
+    if own:
+        args.offload_dir = tempfile.mkdtemp(prefix="zinf-bench-")
+    try:
+        if args.result:
+            return serve(args, worker)
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    finally:
+        if own:
+            shutil.rmtree(args.offload_dir, ignore_errors=True)

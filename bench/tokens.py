@@ -32,10 +32,8 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 from bench import _harness
@@ -312,17 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     if args.worker:
-        own = not args.offload_dir  # run by hand: make (and remove) a swap folder
-        if own:
-            args.offload_dir = tempfile.mkdtemp(prefix="zinf-bench-")
-        try:
-            if args.result:
-                return _harness.serve(args, worker)
-            print(json.dumps(worker(args)), flush=True)
-            return 0
-        finally:
-            if own:
-                shutil.rmtree(args.offload_dir, ignore_errors=True)
+        return _harness.run_worker(args, worker)
     return parent(args)
 
 
