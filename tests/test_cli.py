@@ -245,3 +245,48 @@ def test_bad_options_name_the_mistake():
     for bad in ("budget=1GB", 5, [("budget", "1GB")]):
         with pytest.raises(zinf_compile.ZinfConfigError, match="options must be a dict"):
             ZinfConfig.from_options(bad)
+
+
+_LAYERDROP = '''
+import torch
+from torch import nn
+
+
+class Drop(nn.Module):
+    """Two layers, each skipped in train mode when a draw falls below `p` (Hugging Face's LayerDrop)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:
+                continue
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def build(p=0.0):
+    return Drop(p), (torch.randn(8, 64),)
+'''
+
+
+def test_plan_decides_layerdrop_branches_by_the_draws_range(tmp_path, capsys, recwarn):
+    """`torch.rand([]) < 0.0` is False for every draw: the plan follows the layer (both linears in
+    the graph) and warns that a real compile breaks the graph there; `< 0.5` cannot be decided
+    without a value: exit 2 naming what the model did."""
+    factory = tmp_path / "drop.py"
+    factory.write_text(_LAYERDROP)
+    assert main(["plan", f"{factory}:build", "--out", str(tmp_path / "a"), "--no-report"]) == 0
+    plan = Plan.load(str(tmp_path / "a" / "plan.json"))
+    assert plan.graphs == ("forward", "backward")
+    warned = [str(w.message) for w in recwarn if "random draw" in str(w.message)]
+    assert warned and warned[0].startswith("zinf plan: the model branches in Python on a random draw at 1 place(s) (drop.py:"), warned
+    assert "lt 0.0 is always False" in warned[0]
+    capsys.readouterr()
+    assert main(["plan", f"{factory}:build", "--arg", "p=0.5", "--out", str(tmp_path / "b"), "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert "reads a tensor's value in Python" in err and "Traceback" not in err
+    assert not (tmp_path / "b" / "plan.json").exists()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from zinf_compile.errors import ZinfConfigError
 
@@ -133,7 +133,8 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
         graphs["inference"] = on_inference(gm, params) if on_inference else gm
         return gm
 
-    with FakeTensorMode(allow_non_fake_inputs=False), _compiling():
+    ranges = _RandomRanges()
+    with FakeTensorMode(allow_non_fake_inputs=False), _compiling(), ranges:
         try:
             built = factory(**kwargs)
         except TypeError as e:  # a wrong or wrongly typed --arg, as the factory saw it
@@ -154,15 +155,27 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
             out = torch.func.functional_call(model, dict(zip(names, args[:k])), args[k:])
             return out if inference else _loss_of(out)
 
-        if inference:
-            compiled = aot_function(run, fw_compiler=keep_inference, inference_compiler=keep_inference,
-                                    num_params_buffers=k)
-            with torch.no_grad():
+        try:
+            if inference:
+                compiled = aot_function(run, fw_compiler=keep_inference, inference_compiler=keep_inference,
+                                        num_params_buffers=k)
+                with torch.no_grad():
+                    compiled(*[t for _, t in named], *inputs)
+            else:
+                compiled = aot_function(run, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                                        partition_fn=partition, num_params_buffers=k)
                 compiled(*[t for _, t in named], *inputs)
-        else:
-            compiled = aot_function(run, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
-                                    partition_fn=partition, num_params_buffers=k)
-            compiled(*[t for _, t in named], *inputs)
+        except DataDependentOutputException as e:
+            raise ZinfConfigError(
+                f"the model reads a tensor's value in Python ({e.func}: an `if` on a tensor, `.item()`, "
+                f"`.tolist()`); zinf plan traces without values, so it cannot follow that branch. Plan with "
+                f"values that decide it (a LayerDrop of 0), with --inference, or compile the model for real"
+            ) from e
+    if ranges.sites:
+        where = ", ".join(sorted(os.path.basename(x) for x in ranges.sites)[:3])
+        warnings.warn(f"zinf plan: the model branches in Python on a random draw at {len(ranges.sites)} "
+                      f"place(s) ({where}), decided by the draw's range ({ranges.example}); torch.compile "
+                      f"breaks the graph at each of them, so the plan traces one graph where a real compile has several")
     return Captured(graphs, nfo[0] if nfo else -1, box["params"])
 
 
@@ -175,6 +188,57 @@ def _compiling():
 
     ctx = getattr(torch.compiler, "_compile_session_context", None)
     return ctx() if ctx is not None else contextlib.nullcontext()
+
+
+class _RandomRanges(torch.overrides.TorchFunctionMode):
+    """Answers a comparison of a random draw with a constant outside its range. Hugging Face's
+    LayerDrop (BART, Whisper, ...) runs `torch.rand([]) < self.layerdrop` in Python in train mode;
+    FakeTensorMode has no value to compare, but with layerdrop 0 (every config's default) the
+    answer is known: a draw of torch.rand lies in [0, 1). A comparison the range cannot decide
+    stays data-dependent and fails as before, naming the value."""
+
+    _CMP = {"lt": lambda lo, hi, c: True if hi <= c else False if lo >= c else None,
+            "le": lambda lo, hi, c: True if hi <= c else False if lo > c else None,
+            "gt": lambda lo, hi, c: True if lo > c else False if hi <= c else None,
+            "ge": lambda lo, hi, c: True if lo >= c else False if hi <= c else None}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._draws: dict[int, Any] = {}  # id -> weakref of each scalar draw (tensors hash by id, compare by value)
+        self.sites: set[str] = set()  # file:line of each branch decided (AOT runs the model twice)
+        self.example = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "").strip("_")  # `draw < c` arrives as Tensor.lt(draw, c)
+        if name in self._CMP and len(args) == 2 and self._is_draw(args[0]) \
+                and isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
+            answer = self._CMP[name](0.0, 1.0, float(args[1]))  # a draw of torch.rand lies in [0, 1)
+            if answer is not None:
+                self.sites.add(_caller())
+                self.example = self.example or f"torch.rand(...) {name} {args[1]} is always {answer}"
+                return torch.tensor(answer)
+        out = func(*args, **kwargs)
+        if func is torch.rand and isinstance(out, torch.Tensor) and out.numel() == 1:
+            import weakref
+
+            self._draws[id(out)] = weakref.ref(out)
+        return out
+
+    def _is_draw(self, t) -> bool:
+        ref = self._draws.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return ref is not None and ref() is t
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch (the model's code that compared)."""
+    import sys
+
+    torch_dir = os.path.dirname(torch.__file__)
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(torch_dir) or f.f_code.co_filename == __file__):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
 
 
 def _checked(params: tuple[CapturedParam, ...], gm: fx.GraphModule) -> tuple[CapturedParam, ...]:
