@@ -222,8 +222,10 @@ def test_every_compile_leaves_its_plan_even_when_inductor_could_cache(offload_ro
     model, inputs = build_mlp()
     opts = {"budget": "85%", "offload_dir": offload_root}
     zinf_compile.reset()
+    plans = []
     for _ in range(2):
-        torch._dynamo.reset()
-        train(torch.compile(model, backend="zinf", options=opts), inputs, mse, steps=1)
-    plans = zinf_compile.last_plans()
+        torch._dynamo.reset()  # frees the previous compile's record with its code (test_state.py)
+        compiled = torch.compile(model, backend="zinf", options=opts)
+        train(compiled, inputs, mse, steps=1)
+        plans += zinf_compile.last_plans()
     assert len(plans) == 2 and plans[0] == plans[1]

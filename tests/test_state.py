@@ -96,3 +96,66 @@ def test_optimizer_chunk_follows_its_own_models_budget(tmp_path):
     with pytest.raises(zinf_compile.ZinfError, match="multiple of 4096"):
         zinf_compile.optimizer(cl, torch.optim.AdamW, chunk_elems=1000)
     zinf_compile.reset()
+
+
+def test_compile_records_go_with_the_compiled_function():
+    """A compile's record (its plan and graph snapshots, ~0.5 MiB each for a small model) lives as
+    long as its compiled code: `torch._dynamo.reset()` frees it, without zinf_compile.reset()."""
+    import gc
+    import weakref
+
+    from zinf_compile import records
+
+    torch._dynamo.reset()
+    gc.collect()
+    before = len(records.compiles())
+    cm = torch.compile(_mlp(3), backend="zinf", options={"budget": "1GB"})
+    cm(torch.randn(4, 128)).sum().backward()
+    recs = records.compiles()
+    assert len(recs) == before + 1 and recs[-1].graphs.keys() == {"forward", "backward"}
+    dead = weakref.ref(recs[-1])
+    del recs
+    gc.collect()
+    assert dead() is not None, "the record went while its compiled function lives"
+    torch._dynamo.reset()
+    gc.collect()
+    assert dead() is None, "torch._dynamo.reset() left the record (plan and graph snapshots) alive"
+    assert len(records.compiles()) == before
+
+
+def _threads(prefix: str = "zinf-io") -> int:
+    import threading
+
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_engines_of_dead_models_close_when_the_next_compile_starts(tmp_path):
+    """Three models one after another, each with its own option set (its own engine, I/O threads
+    and swap folder), trained one NVMe step and dropped: each next compile closes the engines
+    nothing uses any more, so engines, I/O threads, open files and swap folders stay flat."""
+    import gc
+
+    zinf_compile.reset()
+    seen = []
+    for i in range(3):
+        root = str(tmp_path / f"swap{i}")
+        model = _mlp(i)
+        cm = torch.compile(model, backend="zinf",
+                           options={"params": "offload", "offload": "nvme", "offload_dir": root})
+        opt = zinf_compile.optimizer(cm, torch.optim.AdamW, lr=1e-2)
+        _step(cm, opt, i)
+        assert _files(root), "the NVMe tier wrote nothing"
+        seen.append((len(RUNTIME.engines.values()), _threads(), _fds()))
+        del model, cm, opt
+        torch._dynamo.reset()
+        gc.collect()
+    # the first model's engine closed when the second compiled, and so on: one engine at a time
+    assert [n for n, _, _ in seen] == [1, 1, 1], seen
+    assert seen[2][1] <= seen[0][1] and seen[2][2] <= seen[0][2], f"threads/fds grew: {seen}"
+    assert not _files(str(tmp_path / "swap0")) and not _files(str(tmp_path / "swap1"))
+    zinf_compile.reset()
+    assert not _files(str(tmp_path)) and _threads() == 0

@@ -209,6 +209,11 @@ def _compiled(s: Session, req, run):
     cand_pids = {m.pid for _, m, _ in req.candidates}
     _take_over(s, [by_pid[pid] for pid in sorted(done.managed)], done.plan.budget)
     _pin_resident((by_pid[pid] for pid in cand_pids - done.managed), s.token)
+    owner = RUNTIME.pins.owner(s.token)  # the compiled function's token: these live as long as it
+    if owner is not None:
+        RUNTIME.engines.hold(s.engine_key, owner)
+        if getattr(done, "record", None) is not None:
+            records.hold(done.record, owner)
     return done
 
 

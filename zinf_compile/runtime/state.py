@@ -1,7 +1,9 @@
 """Everything zinf holds between compiles in one process, with one owner: `RUNTIME`.
 
   engines   offload engines by key (I/O threads, swap folders): one per option set, shared by the
-            compiles made with those options; closed (files removed) by `reset()` and at exit
+            compiles made with those options; closed (files removed) when nothing uses them any
+            more (`Runtime.collect`: no live compiled function, parameter, optimizer state or
+            activation in flight), by `reset()` and at exit
   store     the parameter store: which parameters are managed, their shards, gradients and files
   pins      the parameters a live compiled function reads directly (never taken over meanwhile)
   warned    one-time warnings already given
@@ -31,6 +33,26 @@ class Engines:
     def __init__(self) -> None:
         self._by_key: dict[int, OffloadEngine] = {}
         self._lock = threading.Lock()
+        # key -> the compiled functions' tokens using it (weakly); an engine no compile has held
+        # yet (its compile still running) is never collected
+        self._users: dict[int, weakref.WeakSet] = {}
+
+    def hold(self, key: int, owner: object) -> None:
+        """`owner` (a compiled function's token) uses engine `key` while it lives."""
+        with self._lock:
+            self._users.setdefault(key, weakref.WeakSet()).add(owner)
+
+    def idle(self, busy_keys: set[int]) -> list[OffloadEngine]:
+        """Take out the engines a compile held once, that no live compiled function holds now,
+        with nothing in flight and no file in their swap folder, and not in `busy_keys`."""
+        with self._lock:
+            out = [eng for k, eng in self._by_key.items()
+                   if k in self._users and not self._users[k] and k not in busy_keys
+                   and eng.live_tickets() == 0 and _files_in_use(eng) == 0]
+            for eng in out:
+                del self._by_key[eng.key]
+                del self._users[eng.key]
+            return out
 
     def register(self, key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> OffloadEngine:
         with self._lock:
@@ -54,8 +76,15 @@ class Engines:
         """Close every engine: stop its I/O threads, remove its swap files."""
         with self._lock:
             engines, self._by_key = list(self._by_key.values()), {}
+            self._users.clear()
         for eng in engines:
             eng.close()
+
+
+def _files_in_use(eng: OffloadEngine) -> int:
+    """Swap files holding something (released ones stay open in the folder's pool for reuse)."""
+    swap = eng._swap
+    return 0 if swap is None else swap.file_count() - len(swap._free)
 
 
 class Pins:
@@ -71,6 +100,11 @@ class Pins:
     def token(self, token: object) -> int:
         self._tokens[id(token)] = token
         return id(token)
+
+    def owner(self, token: int) -> object | None:
+        """The token object itself while its compiled function lives (things tied to its life
+        hang on it: the compile's records)."""
+        return self._tokens.get(token)
 
     def pin(self, pids, token: int) -> None:
         for pid in pids:
@@ -95,6 +129,20 @@ class Runtime:
         self.pins = Pins()
         self.warned: set[str] = set()
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()  # zinf optimizers alive
+
+    def collect(self, keep: int | None = None) -> int:
+        """Close the engines nothing uses any more (their I/O threads stop, their swap folders go):
+        run when a compile starts (`keep`: its engine; not from a finalizer when a compiled function
+        dies: the garbage collector may run inside a lock this takes). An engine
+        whose key a managed parameter carries stays (a CPU-tier shard has no file but gathers
+        through it). Returns how many closed."""
+        busy = {e.engine_key for e in self.store.entries()}
+        if keep is not None:
+            busy.add(keep)
+        idle = self.engines.idle(busy)
+        for eng in idle:
+            eng.close()
+        return len(idle)
 
     def reset(self) -> None:
         """Back to a fresh process: compiled functions dropped (torch._dynamo.reset()), every
@@ -143,7 +191,15 @@ class Runtime:
 RUNTIME = Runtime()
 os.register_at_fork(after_in_child=RUNTIME.after_fork_in_child)
 STORE = RUNTIME.store
-register_engine = RUNTIME.engines.register
+
+
+def register_engine(key: int, *args, **kwargs) -> OffloadEngine:
+    """The engine of an option set (Engines.register), for a compile starting now; the engines
+    nothing uses any more close first."""
+    RUNTIME.collect(keep=key)
+    return RUNTIME.engines.register(key, *args, **kwargs)
+
+
 get_engine = RUNTIME.engines.get
 
 
