@@ -15,6 +15,7 @@ BENCHMARKS = {
     "access": "bench.access",
     "training": "bench.training",
     "tokens": "bench.tokens",
+    "soak": "bench.soak",
 }
 
 
