@@ -274,7 +274,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     Returns `model`."""
     ckpt = Checkpoint(path)
     _tie(model)
-    placer = _Placer(options, device)
     params, buffers = _slots(model, "_parameters"), _slots(model, "_buffers")
     by_name = {n: s for s in params + buffers for n in s.names}
     kinds = {id(s): "_parameters" for s in params} | {id(s): "_buffers" for s in buffers}
@@ -293,6 +292,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     if unexpected:
         warnings.warn(f"zinf: {ckpt.path} holds {len(unexpected)} tensor(s) the model does not use: "
                       f"{_listed(unexpected)}", stacklevel=2)
+    placer = _Placer(options, device)
     done: set[int] = set()
     order = sorted(kmap, key=lambda k: (ckpt.tensors[k].file, ckpt.tensors[k].start))  # sequential reads
     for k in order:
