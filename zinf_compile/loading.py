@@ -215,16 +215,24 @@ class _Placer:
 
         return self.session is not None and t.numel() * t.element_size() >= PERSIST_BYTES
 
-    def manage(self, p: nn.Parameter, name: str) -> None:
-        """Take `p` (whole, with its values) over into its shard: the backend's take-over."""
+    def manage(self, p: nn.Parameter, name: str, value: torch.Tensor | None = None) -> None:
+        """Take `p` over into its shard (the backend's take-over), from its own data or `value`."""
         from zinf_compile.runtime.state import STORE
 
         STORE.manage(STORE.identify(p, name), self.session.tier, self.session.engine_key, self.master,
-                     budget=self.cfg.budget)
+                     budget=self.cfg.budget, value=value)
 
     def place(self, slot: _Slot, value: torch.Tensor) -> None:
-        """Parameter `slot` takes `value` (already of its shape and dtype)."""
+        """Parameter `slot` takes `value` (of its shape and dtype, on the CPU)."""
+        from zinf_compile.runtime.state import STORE
+
         old = slot.obj
+        if old.is_meta and self.sharded(old):
+            # born without storage: the shard is written from the value read, never copied into it
+            new = _new_param(_storageless(old, self.device), old)
+            slot.put(new, "_parameters")
+            self.manage(new, slot.name, value)
+            return
         if old.is_meta:
             new = _new_param(value.to(self.device), old)
             slot.put(new, "_parameters")
@@ -232,12 +240,16 @@ class _Placer:
             with torch.no_grad():
                 old.copy_(value)
             new = old
-        if self.sharded(new):
-            from zinf_compile.runtime.state import STORE
-
-            if STORE.is_managed(new):
-                return
+        if self.sharded(new) and not STORE.is_managed(new):
             self.manage(new, slot.name)
+
+
+def _storageless(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of `like`'s shape, stride and dtype on `device` whose storage holds nothing (its
+    allocation is never touched before it is freed)."""
+    t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 # -- loading a checkpoint --------------------------------------------------------------------------
@@ -389,10 +401,11 @@ class _Initializer:
             old = s.obj
             if not old.is_meta:
                 continue
-            new = _new_param(torch.empty_strided(old.shape, old.stride(), dtype=old.dtype, device=self.placer.device),
+            big = self.placer.sharded(old)
+            new = _new_param(_storageless(old, self.placer.device) if big else
+                             torch.empty_strided(old.shape, old.stride(), dtype=old.dtype, device=self.placer.device),
                              old)
-            if self.placer.sharded(new):
-                new.untyped_storage().resize_(0)
+            if big:
                 mark(new)
                 self.pending.add(id(new))
             elif new.is_floating_point():

@@ -393,9 +393,11 @@ class ParamStore:
         return sorted(self._entries.values(), key=lambda e: e.index)
 
     def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None,
-               budget: int | None = None) -> Entry:
+               budget: int | None = None, value: torch.Tensor | None = None) -> Entry:
         """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
-        given), free its storage."""
+        given), free its storage. `value`: the parameter's whole value, written instead of its own
+        data (zinf_compile.loading: a parameter born without storage, its value read from a file;
+        on one rank it is written as it is, no padded copy)."""
         with self._lock:
             e = self._entries.get(pid)
             if e is not None:
@@ -404,9 +406,13 @@ class ParamStore:
             name = self._names[pid]
             if param is None:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
-            if param.untyped_storage().nbytes() < param.numel() * param.element_size():
+            if value is None and param.untyped_storage().nbytes() < param.numel() * param.element_size():
                 raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
-            refusal = take_over_refusal(param)
+            if value is not None and (tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype):
+                raise ZinfError(f"zinf: parameter {name!r}: a value of {tuple(value.shape)} {value.dtype} cannot "
+                                f"be its shard ({tuple(param.shape)} {param.dtype})")
+            # a parameter born without storage (value given) shares nothing and has nothing to free
+            refusal = take_over_refusal(param) if value is None or param.untyped_storage().nbytes() else None
             if refusal is not None:
                 raise ZinfError(f"zinf: parameter {name!r} {refusal}")
             rank, size = world()
@@ -414,7 +420,11 @@ class ParamStore:
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
                       master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
             try:
-                e.write_shard(e.slice_of(param.detach().reshape(-1)))
+                if value is None:
+                    e.write_shard(e.slice_of(param.detach().reshape(-1)))
+                else:
+                    flat = value.detach().reshape(-1)
+                    e.write_shard(flat if e.world == 1 else e.slice_of(flat))
             except BaseException:
                 e.close_files()
                 raise
