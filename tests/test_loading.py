@@ -296,3 +296,45 @@ def test_meta_initialised_llama_trains_like_eager(offload_root):
     finally:
         torch.use_deterministic_algorithms(False)
         zinf_compile.reset()
+
+
+def test_in_place_reads_the_checkpoint_and_copies_it_on_training(sharded, tmp_path, offload_root):
+    """in_place=True: the shards are the checkpoint's own bytes (no swap file written), logits equal
+    from_pretrained's; a training step (eager, through runtime.access) moves each stepped shard to a
+    swap file first, steps like torch's AdamW on from_pretrained's model, and leaves the checkpoint's
+    files as they were."""
+    import hashlib
+    import shutil
+
+    import transformers as tf
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for f in sorted(os.listdir(copy)):
+            h.update((copy / f).read_bytes())
+        return h.hexdigest()
+
+    before = digest()
+    model = _meta_llama(_llama_config())
+    zinf_compile.load_pretrained(model, copy, options=_opts(offload_root, "inplace"), in_place=True)
+    entries = [STORE.entry(p) for p in model.parameters() if STORE.is_managed(p)]
+    assert len(entries) == 16 and all(e.source and e.source.startswith(str(copy)) and not e.file_nos
+                                      for e in entries)
+    ref = tf.LlamaForCausalLM.from_pretrained(copy)
+    batch = hf_models.hf_batch("llama")
+    assert torch.equal(_logits(model.eval(), batch["input_ids"]), _logits(ref.eval(), batch["input_ids"]))
+
+    model.train(), ref.train()
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(**batch).loss.backward()
+        o.step()
+        o.zero_grad()
+    assert all(e.source is None and e.file_nos for e in entries)  # each moved to a swap file
+    want, got = ref.state_dict(), zinf_compile.full_state_dict(model)
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert digest() == before

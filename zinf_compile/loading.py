@@ -244,6 +244,22 @@ class _Placer:
             self.manage(new, slot.name)
 
 
+    def in_place(self, p: torch.Tensor, stored: StoredTensor) -> bool:
+        """Whether parameter `p` can be read where `stored` lies (see load_pretrained)."""
+        from zinf_compile.runtime.params import world
+
+        return (p.is_meta and self.sharded(p) and self.session.tier == "nvme" and self.master is None
+                and stored.dtype == p.dtype and stored.start % p.element_size() == 0 and world()[1] == 1)
+
+    def place_in_place(self, slot: _Slot, stored: StoredTensor) -> None:
+        from zinf_compile.runtime.state import STORE
+
+        new = _new_param(_storageless(slot.obj, self.device), slot.obj)
+        slot.put(new, "_parameters")
+        STORE.manage_in_place(STORE.identify(new, slot.name), self.session.engine_key, os.path.abspath(stored.file),
+                              stored.start, stored.dtype)
+
+
 def _storageless(like: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor of `like`'s shape, stride and dtype on `device` whose storage holds nothing (its
     allocation is never touched before it is freed)."""
@@ -274,7 +290,7 @@ def _listed(keys, limit: int = 8) -> str:
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | None = None, *,
-                    device: str | torch.device = "cpu") -> nn.Module:
+                    device: str | torch.device = "cpu", in_place: bool = False) -> nn.Module:
     """Load a Hugging Face safetensors checkpoint (`save_pretrained`'s folder: one file, or shards
     with their index) into `model`, whose parameters may be on the meta device: each parameter of
     64 KiB or more goes straight into its zinf shard (the tier and folder of `options`, the same
@@ -283,7 +299,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     parameters (one object under several names) load from whichever name the checkpoint has.
     Every key, shape and file is checked before anything is written: a missing key, a shape that
     differs, a missing file raise a ZinfError naming it. Keys the model lacks are warned about.
-    Returns `model`."""
+    `in_place=True` (the NVMe tier, one rank): a parameter whose stored dtype is its own is not
+    copied at all; its shard is its bytes in the checkpoint file, read where they lie (mapped on a
+    CPU device) and never written: the first gradient or write of it moves it to a swap file of its
+    own first (inference reads the checkpoint; training works too). Returns `model`."""
     ckpt = Checkpoint(path)
     _tie(model)
     params, buffers = _slots(model, "_parameters"), _slots(model, "_buffers")
@@ -311,6 +330,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
         slot = by_name[kmap[k]]
         if id(slot.obj) in done:
             continue  # a tied parameter's other name
+        if in_place and kinds[id(slot)] == "_parameters" and placer.in_place(slot.obj, ckpt.tensors[k]):
+            placer.place_in_place(slot, ckpt.tensors[k])
+            done.add(id(slot.obj))
+            continue
         value = ckpt.read(k).to(slot.obj.dtype)
         if kinds[id(slot)] == "_buffers":
             slot.put(value.to(device), "_buffers")
