@@ -2,7 +2,7 @@
 of disk). Measured by hand, numbers in docs/decisions.md:
 
     python tests/workers/load_infer.py make DIR [LAYERS HIDDEN VOCAB]   # a random checkpoint, tensor by tensor
-    python tests/workers/load_infer.py run DIR OFFLOAD_DIR [BUDGET]     # meta + load_pretrained + zinf forward
+    python tests/workers/load_infer.py run DIR OFFLOAD_DIR [BUDGET [in_place]]  # meta + load + zinf forwards
 
 `make` writes sharded safetensors (with their index) without ever building the model: each tensor
 is drawn, written and dropped. `run` builds the model on meta, loads it into NVMe shards and runs two
@@ -63,7 +63,7 @@ def make(path: str, layers: str = "8", hidden: str = "2048", vocab: str = "32000
                                                   for v in set(weight_map.values()))}, "weight_map": weight_map}, f)
 
 
-def run(path: str, offload_dir: str, budget: str = "20%") -> None:
+def run(path: str, offload_dir: str, budget: str = "20%", in_place: str = "") -> None:
     import zinf_compile
     import zinf_compile.backend  # noqa: F401
 
@@ -75,10 +75,10 @@ def run(path: str, offload_dir: str, budget: str = "20%") -> None:
     _rss.trim()
     base = _rss.rss()
     _rss.reset_hwm()
-    out = {"weights_bytes": weights, "base_rss": base}
+    out = {"weights_bytes": weights, "base_rss": base, "in_place": bool(in_place)}
     opts = {"offload": "nvme", "offload_dir": offload_dir, "budget": budget}
     t0 = time.perf_counter()
-    zinf_compile.load_pretrained(model, path, options=opts)
+    zinf_compile.load_pretrained(model, path, options=opts, in_place=bool(in_place))
     out["load_s"] = time.perf_counter() - t0
     out["load_growth"] = _rss.hwm() - base
     ids = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
