@@ -243,7 +243,6 @@ class _Placer:
         if self.sharded(new) and not STORE.is_managed(new):
             self.manage(new, slot.name)
 
-
     def in_place(self, p: torch.Tensor, stored: StoredTensor) -> bool:
         """Whether parameter `p` can be read where `stored` lies (see load_pretrained)."""
         from zinf_compile.runtime.params import world
@@ -252,6 +251,7 @@ class _Placer:
                 and stored.dtype == p.dtype and stored.start % p.element_size() == 0 and world()[1] == 1)
 
     def place_in_place(self, slot: _Slot, stored: StoredTensor) -> None:
+        """Parameter `slot`, storageless, managed with its shard where `stored` lies."""
         from zinf_compile.runtime.state import STORE
 
         new = _new_param(_storageless(slot.obj, self.device), slot.obj)
