@@ -338,3 +338,24 @@ def test_in_place_reads_the_checkpoint_and_copies_it_on_training(sharded, tmp_pa
     want, got = ref.state_dict(), zinf_compile.full_state_dict(model)
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
     assert digest() == before
+
+
+def test_resident_option_materializes_in_memory(sharded):
+    """options={"params": "resident"}: no shard at all, every tensor real, the same values."""
+    import transformers as tf
+
+    model = _meta_llama(_llama_config())
+    zinf_compile.load_pretrained(model, sharded, options={"params": "resident"})
+    _no_meta(model)
+    assert not any(STORE.is_managed(p) for p in model.parameters())
+    want = tf.LlamaForCausalLM.from_pretrained(sharded).state_dict()
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
+    cfg = hf_models.hf_config("llama")
+    torch.manual_seed(5)
+    eager = tf.LlamaForCausalLM(cfg)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        fresh = tf.LlamaForCausalLM(cfg)
+    zinf_compile.materialize(fresh, options={"params": "resident"})
+    assert not any(STORE.is_managed(p) for p in fresh.parameters())
+    assert all(torch.equal(eager.state_dict()[k], v) for k, v in fresh.state_dict().items())
