@@ -6,7 +6,9 @@ Nothing needs importing for that (the backend is found through its entry point).
 `last_plans()` and `compiles()` show what each compile planned and changed; `optimizer(model, cls,
 **kwargs)` steps on parameter shards where they live; `full_state_dict`, `load_state_dict`,
 `save_checkpoint`, `load_checkpoint` save and restore a model whose parameters zinf manages;
-`clip_grad_norm_` and `total_norm` count managed parameters' gradients (torch's own
+`load_pretrained(model, path, options)` and `materialize(model, options)` give a model built on the
+meta device its values straight in shards (zinf_compile/loading.py); `clip_grad_norm_` and
+`total_norm` count managed parameters' gradients (torch's own
 `torch.nn.utils.clip_grad_norm_` does too, once zinf manages a parameter).
 """
 from zinf_compile.config import ZinfConfig
@@ -14,6 +16,7 @@ from zinf_compile.errors import BudgetError, ZinfConfigError, ZinfError
 from zinf_compile.plan import Plan
 from zinf_compile.checkpoint import full_state_dict, load_checkpoint, load_state_dict, save_checkpoint
 from zinf_compile.grads import clip_grad_norm_, total_norm
+from zinf_compile.loading import load_pretrained, materialize
 from zinf_compile.optim import ZinfOptimizer, optimizer
 from zinf_compile.records import compiles, last_plans
 
@@ -28,5 +31,6 @@ def reset() -> None:
 
 __version__ = "0.1.0"
 __all__ = ["BudgetError", "Plan", "ZinfConfig", "ZinfConfigError", "ZinfError", "ZinfOptimizer",
-           "clip_grad_norm_", "compiles", "full_state_dict", "last_plans", "load_checkpoint", "load_state_dict", "optimizer", "reset",
+           "clip_grad_norm_", "compiles", "full_state_dict", "last_plans", "load_checkpoint", "load_pretrained",
+           "load_state_dict", "materialize", "optimizer", "reset",
            "save_checkpoint", "total_norm"]

@@ -207,7 +207,8 @@ def _compiled(s: Session, req, run):
         raise
     by_pid = {info.pid: info for info in s.params}
     cand_pids = {m.pid for _, m, _ in req.candidates}
-    _take_over(s, [by_pid[pid] for pid in sorted(done.managed)], done.plan.budget)
+    # managed already (an earlier compile, or zinf_compile.load_pretrained / materialize): they stay
+    _take_over(s, [by_pid[pid] for pid in sorted(done.managed) if not by_pid[pid].managed], done.plan.budget)
     _pin_resident((by_pid[pid] for pid in cand_pids - done.managed), s.token)
     owner = RUNTIME.pins.owner(s.token)  # the compiled function's token: these live as long as it
     if owner is not None:

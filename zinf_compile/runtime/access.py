@@ -32,6 +32,7 @@ GatheredParameters.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -56,6 +57,22 @@ _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
 _CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "contiguous"})
 
 _PASS, _READ, _WRITE, _CONVERT, _DATA_GET, _DATA_SET = range(6)
+
+# While zinf_compile.loading replays a module's initialisation: called with each managed parameter
+# a torch function meets, which it makes whole and plain for the rest of that call (loading.py)
+_CHECKOUT = None
+
+
+@contextlib.contextmanager
+def checking_out(fn):
+    """Within: every managed parameter a torch function meets is first handed to `fn`, which gives
+    it its storage and value back and its plain class; the function then runs as torch's own."""
+    global _CHECKOUT
+    prev, _CHECKOUT = _CHECKOUT, fn
+    try:
+        yield
+    finally:
+        _CHECKOUT = prev
 
 
 def _name(func) -> str:
@@ -219,6 +236,9 @@ class ManagedMixin:
         if _kind(func) == _PASS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if _CHECKOUT is not None:
+            tree_map(lambda t: _CHECKOUT(t) if isinstance(t, ManagedMixin) else t, (args, kwargs))
+            return _torch(func, args, kwargs)
         return _on_access(func, args, kwargs)
 
     def __repr__(self, *, tensor_contents=None):

@@ -104,6 +104,11 @@ class Entry:
     file_nos: list = field(default_factory=list)  # swap-folder file numbers this entry holds
     # the budget of the compile that took it over: its optimizer's default chunk size follows it
     budget: int | None = None
+    # nvme tier, in place: the shard is bytes of a file zinf does not own (a safetensors checkpoint,
+    # zinf_compile.loading), `fd` opened read-only, the shard from byte `base`. The first write or
+    # gradient moves it to a swap file of its own (`_own_file`); until then nothing writes `fd`.
+    source: str | None = None
+    base: int = 0
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -170,9 +175,10 @@ class Entry:
         if self.tier == "cpu":
             return self.shard[lo:hi].clone()
         if mapped and self.maps:
-            return self.engine.map_file(self.fd, lo * self.shard_dtype.itemsize, hi - lo, self.shard_dtype)
+            return self.engine.map_file(self.fd, self.base + lo * self.shard_dtype.itemsize, hi - lo,
+                                        self.shard_dtype)
         out = torch.empty(hi - lo, dtype=self.shard_dtype, pin_memory=self.device.type == "cuda")
-        off = lo * self.shard_dtype.itemsize
+        off = self.base + lo * self.shard_dtype.itemsize
         if futures is None:
             self.engine.read_file(self.fd, out, off)
         else:
@@ -199,9 +205,9 @@ class Entry:
         if self.tier == "cpu":
             return self.shard.clone()
         if mapped and self.maps:
-            return self.engine.map_file(self.fd, 0, self.shard_numel, self.shard_dtype)
+            return self.engine.map_file(self.fd, self.base, self.shard_numel, self.shard_dtype)
         out = self._host_buffer()
-        self.engine.read_file(self.fd, out)
+        self.engine.read_file(self.fd, out, self.base)
         return out
 
     def write_shard(self, flat: torch.Tensor) -> None:
@@ -211,9 +217,23 @@ class Entry:
                 self.shard = self._host_buffer()
             self.shard.copy_(flat)
         else:
-            if self.fd is None:
-                self.fd = self._acquire()
+            if self.fd is None or self.source is not None:
+                self.fd, self.base, self.source = self._acquire(), 0, None  # a whole write: nothing to copy
             self.engine.write_file(self.fd, flat.contiguous())
+
+    def _own_file(self, chunk: int = 1 << 22) -> None:
+        """An in-place shard (`source`) moves to a swap file of its own, chunk by chunk, before
+        anything is written for it (the optimizer reads and writes `fd` from offset 0)."""
+        if self.source is None:
+            return
+        fd = self._acquire()
+        buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
+        size = self.shard_dtype.itemsize
+        for start in range(0, self.shard_numel, chunk):
+            part = buf[:min(chunk, self.shard_numel - start)]
+            self.engine.read_file(self.fd, part, self.base + start * size)
+            self.engine.write_file(fd, part, start * size)
+        self.fd, self.base, self.source = fd, 0, None
 
     def read_grad(self) -> torch.Tensor | None:
         if not self.has_grad:
@@ -256,6 +276,7 @@ class Entry:
         """Accumulate `part` (this rank's flat gradient, or of `rows` of it, on the CPU in
         shard_dtype; the CPU tier keeps it: there no one may alias it) into the shard gradient."""
         with self.lock:
+            self._own_file()  # a gradient: the optimizer will write the shard
             if self.grad_scales and self.has_grad:
                 self._settle_grad_scales()  # a gradient added to after a clip (rare): scale first
             self.grad_scales.clear()
@@ -302,6 +323,7 @@ class Entry:
         self.grad_parts.clear()
 
     def write_grad(self, flat: torch.Tensor) -> None:
+        self._own_file()
         if self.tier == "cpu":
             self.grad = flat
         else:
@@ -333,6 +355,7 @@ class Entry:
                 swap.release(n)
         self.file_nos.clear()
         self.fd = self.grad_fd = None
+        self.source, self.base = None, 0  # the source file's descriptor is shared (ParamStore.source_fd)
         self.state_fds.clear()
 
 
@@ -348,6 +371,7 @@ class ParamStore:
         self._lock = threading.RLock()
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
         self._tickets = itertools.count(1)
+        self._sources: dict[str, int] = {}  # a file read in place -> its read-only descriptor (process-long)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
 
     def __len__(self) -> int:
@@ -393,9 +417,11 @@ class ParamStore:
         return sorted(self._entries.values(), key=lambda e: e.index)
 
     def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None,
-               budget: int | None = None) -> Entry:
+               budget: int | None = None, value: torch.Tensor | None = None) -> Entry:
         """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
-        given), free its storage."""
+        given), free its storage. `value`: the parameter's whole value, written instead of its own
+        data (zinf_compile.loading: a parameter born without storage, its value read from a file;
+        on one rank it is written as it is, no padded copy)."""
         with self._lock:
             e = self._entries.get(pid)
             if e is not None:
@@ -404,9 +430,13 @@ class ParamStore:
             name = self._names[pid]
             if param is None:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
-            if param.untyped_storage().nbytes() < param.numel() * param.element_size():
+            if value is None and param.untyped_storage().nbytes() < param.numel() * param.element_size():
                 raise ZinfError(f"zinf: parameter {name!r} has no data to take over (freed elsewhere?)")
-            refusal = take_over_refusal(param)
+            if value is not None and (tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype):
+                raise ZinfError(f"zinf: parameter {name!r}: a value of {tuple(value.shape)} {value.dtype} cannot "
+                                f"be its shard ({tuple(param.shape)} {param.dtype})")
+            # a parameter born without storage (value given) shares nothing and has nothing to free
+            refusal = take_over_refusal(param) if value is None or param.untyped_storage().nbytes() else None
             if refusal is not None:
                 raise ZinfError(f"zinf: parameter {name!r} {refusal}")
             rank, size = world()
@@ -414,7 +444,11 @@ class ParamStore:
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
                       master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
             try:
-                e.write_shard(e.slice_of(param.detach().reshape(-1)))
+                if value is None:
+                    e.write_shard(e.slice_of(param.detach().reshape(-1)))
+                else:
+                    flat = value.detach().reshape(-1)
+                    e.write_shard(flat if e.world == 1 else e.slice_of(flat))
             except BaseException:
                 e.close_files()
                 raise
@@ -448,6 +482,36 @@ class ParamStore:
                 # a gradient accumulated while the parameter was resident joins the shard's
                 grad, param.grad = param.grad, None
                 self.reduce_grad(param, grad, average=False)
+            return e
+
+    def manage_in_place(self, pid: int, engine_key: int, source: str, offset: int, dtype: torch.dtype) -> Entry:
+        """Take parameter `pid` (its storage empty) over with its shard read where it lies: `source`
+        from byte `offset`, holding the parameter's bytes in `dtype` (nvme tier, one rank; the file
+        is never written: see Entry.source)."""
+        import os
+
+        with self._lock:
+            param = self._params[pid]()
+            name = self._names[pid]
+            if param is None:
+                raise ZinfError(f"zinf: parameter {name!r} no longer exists")
+            rank, size = world()
+            if size > 1 or dtype != param.dtype or offset % param.element_size():
+                raise ZinfError(f"zinf: parameter {name!r} cannot be read in place from {source} (one rank, its "
+                                f"own dtype {param.dtype}, aligned bytes needed; got {dtype} at byte {offset})")
+            if param.untyped_storage().nbytes():
+                raise ZinfError(f"zinf: parameter {name!r} holds data; only a storageless one is read in place")
+            fd = self._sources.get(source)
+            if fd is None:
+                fd = self._sources[source] = os.open(source, os.O_RDONLY)
+            e = Entry(pid, name, tuple(param.shape), param.dtype, param.device, param.requires_grad, rank, size,
+                      "nvme", engine_key, weakref.ref(param), fd=fd, source=source, base=offset)
+            from zinf_compile.grads import install
+            install()
+            self._entries[pid] = e
+            from zinf_compile.runtime.access import mark
+
+            mark(param)
             return e
 
     def _own_storage(self, pid: int, param: torch.Tensor) -> None:
@@ -554,7 +618,7 @@ class ParamStore:
             buf = e.read_rows(rows, futures)
         elif e.tier == "nvme":
             buf = e._host_buffer()
-            futures = e.engine.submit_read(e.fd, buf)
+            futures = e.engine.submit_read(e.fd, buf, e.base)
         with self._lock:
             self._fetches[ticket] = (e, buf, futures)
         cell = np.array([ticket], dtype=np.int64)

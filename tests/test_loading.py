@@ -1,0 +1,361 @@
+"""Models built on the meta device: `zinf_compile.load_pretrained` (HF safetensors, single and sharded,
+straight into shards) and `zinf_compile.materialize` (the eager initialisation replayed into shards).
+
+A small HF Llama (tests/hf_models.py, hidden 128) saved with save_pretrained: rebuilt on meta and
+loaded, its logits equal from_pretrained's bit for bit; a compile keeps the loaded parameters
+managed. Peak memory of a load is measured in a subprocess (tests/workers/load_rss.py) on a larger
+Llama, against from_pretrained's in the same way. A Llama initialised on meta starts bit-identical to
+one built eagerly with the same seed and trains like it (zinf against Inductor, bit for bit).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zinf_compile
+from zinf_compile.errors import ZinfError
+from zinf_compile.planner import PERSIST_BYTES
+from zinf_compile.runtime.state import STORE
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import hf_models  # noqa: E402
+
+
+def _llama_config(tied: bool = False, inter: int = hf_models.INTER):
+    cfg = hf_models.hf_config("llama")
+    cfg.tie_word_embeddings = tied
+    cfg.intermediate_size = inter
+    return cfg
+
+
+def _meta_llama(cfg, how: str = "device"):
+    import transformers as tf
+
+    if how == "device":
+        with torch.device("meta"):
+            return tf.LlamaForCausalLM(cfg)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return tf.LlamaForCausalLM(cfg)
+
+
+def _opts(offload_root: str, sub: str) -> dict:
+    return {"offload": "nvme", "offload_dir": os.path.join(offload_root, sub)}
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A Llama saved as several safetensors shards with their index."""
+    path = tmp_path_factory.mktemp("ckpt") / "llama"
+    hf_models.hf_model("llama", seed=0).save_pretrained(path, max_shard_size="300KB")
+    return str(path)
+
+
+def _no_meta(model) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"still on meta: {left}"
+
+
+def test_sharded_checkpoint_loads_into_shards(sharded, offload_root):
+    import transformers as tf
+
+    files = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
+    assert len(files) > 2 and os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    model = _meta_llama(_llama_config(), "device")  # buffers on meta too (the rotary inv_freq)
+    assert zinf_compile.load_pretrained(model, sharded, options=_opts(offload_root, "sharded")) is model
+    _no_meta(model)
+    for name, p in model.named_parameters():
+        big = p.numel() * p.element_size() >= PERSIST_BYTES
+        assert STORE.is_managed(p) == big, name
+        if big:
+            assert p.untyped_storage().nbytes() == 0, name  # nothing of it in memory
+    ref = tf.LlamaForCausalLM.from_pretrained(sharded)
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    assert torch.equal(_logits(model.eval(), ids), _logits(ref.eval(), ids))
+    assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+
+
+def test_tied_single_file_in_bf16(tmp_path, offload_root):
+    """One model.safetensors in bfloat16, lm_head tied to the embedding (saved once): loaded into an
+    fp32 model built with accelerate's init_empty_weights, as from_pretrained converts it."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    ref = tf.LlamaForCausalLM(_llama_config(tied=True)).to(torch.bfloat16)
+    ref.save_pretrained(tmp_path)
+    assert os.listdir(tmp_path).count("model.safetensors") == 1
+    with open(tmp_path / "model.safetensors", "rb") as f:
+        assert b"lm_head.weight" not in f.read(int.from_bytes(f.read(8), "little"))
+    model = _meta_llama(_llama_config(tied=True), "accelerate")
+    zinf_compile.load_pretrained(model, tmp_path, options=_opts(offload_root, "tied"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight and STORE.is_managed(model.lm_head.weight)
+    assert model.lm_head.weight.dtype == torch.float32
+    expect = tf.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    assert torch.equal(_logits(model.eval(), ids), _logits(expect.eval(), ids))
+
+
+def test_a_compile_keeps_loaded_parameters_managed(sharded, offload_root):
+    """Loaded shards meet the backend as managed parameters (the planner's `forced`): a budget that
+    would keep every parameter resident (params="auto", 100% of the unplanned peak) leaves them
+    managed, and the compiled logits match the eager ones."""
+    model = _meta_llama(_llama_config(), "device")
+    opts = _opts(offload_root, "compiled")
+    zinf_compile.load_pretrained(model, sharded, options=opts)
+    managed = {n for n, p in model.named_parameters() if STORE.is_managed(p)}
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    eager = _logits(model.eval(), ids)
+    compiled = torch.compile(model, backend="zinf", options={**opts, "budget": "100%"})
+    out = _logits(compiled, ids)
+    assert {n for n, p in model.named_parameters() if STORE.is_managed(p)} == managed
+    assert STORE.stats["gathers"] >= len(managed)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+# -- clear errors, before anything is written -------------------------------------------------------
+
+def _untouched(model) -> None:
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_missing_key_names_it(sharded, tmp_path, offload_root):
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in hf_models.hf_model("llama").state_dict().items()
+             if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = _meta_llama(_llama_config())
+    with pytest.raises(ZinfError, match=r"lacks 1 tensor.*'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        zinf_compile.load_pretrained(model, tmp_path, options=_opts(offload_root, "err"))
+    _untouched(model)
+
+
+def test_shape_mismatch_names_the_key(sharded, offload_root):
+    model = _meta_llama(_llama_config(inter=384))
+    with pytest.raises(ZinfError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight': \(256, 128\) in the "
+                                        r"checkpoint, \(384, 128\) in the model"):
+        zinf_compile.load_pretrained(model, sharded, options=_opts(offload_root, "err"))
+    _untouched(model)
+
+
+def test_missing_file_names_it(sharded, tmp_path, offload_root):
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+    with open(copy / "model.safetensors.index.json") as f:
+        gone = sorted(set(json.load(f)["weight_map"].values()))[1]
+    os.remove(copy / gone)
+    model = _meta_llama(_llama_config())
+    with pytest.raises(ZinfError, match=f"checkpoint file .*{gone} does not exist"):
+        zinf_compile.load_pretrained(model, copy, options=_opts(offload_root, "err"))
+    _untouched(model)
+    with pytest.raises(ZinfError, match=r"no checkpoint in .*empty: neither model\.safetensors nor"):
+        os.mkdir(tmp_path / "empty")
+        zinf_compile.load_pretrained(model, tmp_path / "empty")
+
+
+# -- peak memory of a load ---------------------------------------------------------------------------
+
+def _has_hwm() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            return "VmHWM" in f.read() and os.path.exists("/proc/self/clear_refs")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_hwm(), reason="needs Linux's VmHWM and clear_refs (gVisor's /proc has neither)")
+def test_load_peak_memory_is_a_fraction_of_the_model(tmp_path):
+    """A 12-layer Llama (176 MB of fp32 weights in 40 MB shards): loading it into zinf's shards and
+    reading every parameter once grows the peak RSS by under a quarter of the model (the largest
+    tensor is 8 MiB); from_pretrained, measured the same way, by more than the whole model (so the
+    meter sees a whole model when there is one). Both loads give the same values (checksums)."""
+    worker = os.path.join(HERE, "workers", "load_rss.py")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run(*args) -> dict:
+        r = subprocess.run([sys.executable, worker, *map(str, args)], capture_output=True, text=True, env=env,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
+
+    ck = tmp_path / "ck"
+    run("save", ck)
+    ours = run("zinf", ck, tmp_path / "offload")
+    theirs = run("hf", ck)
+    size = ours["checkpoint_bytes"]
+    assert size > 150e6 and ours["params"] * 4 <= size
+    assert ours["checksum"] == theirs["checksum"]
+    assert theirs["growth"] > size, theirs
+    assert ours["growth"] < size / 4, ours
+
+
+# -- initialising from scratch ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,how,tied", [("llama", "device", False), ("llama", "device", True),
+                                           ("qwen2", "accelerate", False), ("t5", "accelerate", False),
+                                           ("bart", "accelerate", False)])
+def test_materialize_equals_eager_init(name, how, tied, offload_root):
+    """The same random numbers as eager construction with the same seed, in the same places (a tied
+    head drawn for and dropped, as eager tying drops it)."""
+    cfg = hf_models.hf_config(name)
+    if tied:
+        cfg.tie_word_embeddings = True
+    cls = type(hf_models.hf_model(name))
+    torch.manual_seed(7)
+    eager = cls(cfg)
+    torch.manual_seed(7)
+    if how == "device":
+        with torch.device("meta"):
+            model = cls(cfg)
+    else:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            model = cls(cfg)
+    zinf_compile.materialize(model, options=_opts(offload_root, "init"))
+    _no_meta(model)
+    assert sum(STORE.is_managed(p) for p in model.parameters()) >= 10
+    want, got = eager.state_dict(), zinf_compile.full_state_dict(model)
+    assert sorted(want) == sorted(got)
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    after_materialize = torch.rand(())
+    torch.manual_seed(7)
+    cls(cfg)
+    assert after_materialize == torch.rand(())  # as many random numbers drawn as eager construction draws
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_materialize_refuses_a_parameter_nothing_initialises(offload_root):
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(256, 128))  # no reset_parameters: meta has no values
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(128, 256)
+            self.scale = Scale()
+
+    with torch.device("meta"):
+        net = Net()
+    with pytest.raises(ZinfError, match=r"no initialisation wrote parameter\(s\) 'scale\.w'"):
+        zinf_compile.materialize(net, options=_opts(offload_root, "init"))
+    assert net.scale.w.is_meta and type(net.scale.w) is torch.nn.Parameter
+
+
+def test_meta_initialised_llama_trains_like_eager(offload_root):
+    """Initialised on meta into NVMe shards and trained 3 AdamW steps with zinf (a budget that also
+    offloads activations), against the eager-built model under Inductor: bit-identical losses and
+    parameters (decisions.md, "Determinism in tests")."""
+    import transformers as tf
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        batch = hf_models.hf_batch("llama")
+        cfg = hf_models.hf_config("llama")
+        torch.manual_seed(3)
+        ref = tf.LlamaForCausalLM(cfg)
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            model = tf.LlamaForCausalLM(cfg)
+        opts = {**_opts(offload_root, "train"), "budget": int(4.4 * (1 << 20))}
+        zinf_compile.materialize(model, options=opts)
+        ref_fn = torch.compile(ref, backend="inductor")
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        fn = torch.compile(model, backend="zinf", options=opts)
+        opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        losses = {"ref": [], "zinf": []}
+        for _ in range(3):
+            for key, f, o in (("ref", ref_fn, ref_opt), ("zinf", fn, opt)):
+                loss = f(**batch).loss
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses[key].append(loss.item())
+        assert losses["zinf"] == losses["ref"], losses
+        want, got = ref.state_dict(), zinf_compile.full_state_dict(model)
+        assert [k for k in want if not torch.equal(want[k], got[k])] == []
+        assert any(p.moves() for p in zinf_compile.last_plans())  # activations offloaded too
+    finally:
+        torch.use_deterministic_algorithms(False)
+        zinf_compile.reset()
+
+
+def test_in_place_reads_the_checkpoint_and_copies_it_on_training(sharded, tmp_path, offload_root):
+    """in_place=True: the shards are the checkpoint's own bytes (no swap file written), logits equal
+    from_pretrained's; a training step (eager, through runtime.access) moves each stepped shard to a
+    swap file first, steps like torch's AdamW on from_pretrained's model, and leaves the checkpoint's
+    files as they were."""
+    import hashlib
+    import shutil
+
+    import transformers as tf
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for f in sorted(os.listdir(copy)):
+            h.update((copy / f).read_bytes())
+        return h.hexdigest()
+
+    before = digest()
+    model = _meta_llama(_llama_config())
+    zinf_compile.load_pretrained(model, copy, options=_opts(offload_root, "inplace"), in_place=True)
+    entries = [STORE.entry(p) for p in model.parameters() if STORE.is_managed(p)]
+    assert len(entries) == 16 and all(e.source and e.source.startswith(str(copy)) and not e.file_nos
+                                      for e in entries)
+    ref = tf.LlamaForCausalLM.from_pretrained(copy)
+    batch = hf_models.hf_batch("llama")
+    assert torch.equal(_logits(model.eval(), batch["input_ids"]), _logits(ref.eval(), batch["input_ids"]))
+
+    model.train(), ref.train()
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(**batch).loss.backward()
+        o.step()
+        o.zero_grad()
+    assert all(e.source is None and e.file_nos for e in entries)  # each moved to a swap file
+    want, got = ref.state_dict(), zinf_compile.full_state_dict(model)
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert digest() == before
+
+
+def test_resident_option_materializes_in_memory(sharded):
+    """options={"params": "resident"}: no shard at all, every tensor real, the same values."""
+    import transformers as tf
+
+    model = _meta_llama(_llama_config())
+    zinf_compile.load_pretrained(model, sharded, options={"params": "resident"})
+    _no_meta(model)
+    assert not any(STORE.is_managed(p) for p in model.parameters())
+    want = tf.LlamaForCausalLM.from_pretrained(sharded).state_dict()
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
+    cfg = hf_models.hf_config("llama")
+    torch.manual_seed(5)
+    eager = tf.LlamaForCausalLM(cfg)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        fresh = tf.LlamaForCausalLM(cfg)
+    zinf_compile.materialize(fresh, options={"params": "resident"})
+    assert not any(STORE.is_managed(p) for p in fresh.parameters())
+    assert all(torch.equal(eager.state_dict()[k], v) for k, v in fresh.state_dict().items())
