@@ -155,27 +155,49 @@ def test_nvme_tier_rejects_other_optimizers(offload_root):
 
 def test_nvme_step_interrupts_and_failures_say_what_they_are(offload_root, monkeypatch):
     """Ctrl-C in the streamed step arrives as KeyboardInterrupt; an I/O error (zinf's own, e.g. a
-    full disk) says the step is partly applied."""
+    full disk) says nothing was applied. Either way, after chunks were already written, every
+    parameter (the resident bias too) and state is the previous step's, and a retry continues
+    bit-identically to a run that never failed."""
     import zinf_compile.optim as zoptim
 
-    model = small()
+    ref = small()
+    model = copy.deepcopy(ref)
     manage(model, "nvme", offload_root)
-    opt = optimizer(model, torch.optim.AdamW, lr=0.1, chunk_elems=4096)
-    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+    opt, ref_opt = optimizer(model, torch.optim.AdamW, **HP), torch.optim.AdamW(ref.parameters(), **HP)
+    opt.chunk_elems = CHUNK
+    gen = torch.Generator().manual_seed(3)
+    step_both(model, ref, opt, ref_opt, gen)
+    before = [whole(p).clone() for p in model.parameters()]
+    before_sd = copy.deepcopy(opt.state_dict())
+    grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
+    give_grads(model, grads)
+    real = zoptim._adam_chunk
 
-    def interrupt(w, v):
-        raise KeyboardInterrupt
+    def fail_on_second(exc):
+        calls = []
 
-    monkeypatch.setattr(zoptim, "_adam_chunk", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        opt.step()
+        def chunk(w, v):
+            calls.append(1)
+            if len(calls) == 2:  # the first chunk's new values are already written
+                raise exc
+            return real(w, v)
+        return chunk
 
-    def full_disk(w, v):
-        raise ZinfError("zinf: No space left on device writing to /nvme/zinf")
-
-    monkeypatch.setattr(zoptim, "_adam_chunk", full_disk)
-    with pytest.raises(ZinfError, match="No space left on device.*partly updated"):
-        opt.step()
+    for exc, match in ((KeyboardInterrupt(), None),
+                       (ZinfError("zinf: No space left on device writing to /nvme/zinf"),
+                        "No space left on device.*nothing was applied")):
+        monkeypatch.setattr(zoptim, "_adam_chunk", fail_on_second(exc))
+        with pytest.raises(type(exc), match=match):
+            opt.step()
+        assert all(torch.equal(whole(p), b) for p, b in zip(model.parameters(), before))
+        assert_same_optim_state(opt.state_dict(), before_sd)
+    monkeypatch.setattr(zoptim, "_adam_chunk", real)
+    opt.step()  # the retry, with the same gradients
+    for q, g in zip(ref.parameters(), grads):
+        q.grad = g.clone()
+    ref_opt.step()
+    assert_same_params(model, ref)
+    assert_same_optim_state(opt.state_dict(), ref_opt.state_dict())
 
 
 def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
@@ -196,7 +218,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
     read_started = [threading.Event() for _ in range(n)]
     computing = [threading.Event() for _ in range(n)]
     seen = {"read_during_compute": [], "write_during_compute": []}
-    engine, calls = e.engine, [0]
+    engine, calls, out_fd = e.engine, [0], [None]
     real_read, real_write, real_chunk = engine.read_file, engine.write_file, zoptim._adam_chunk
 
     def read_file(fd, t, offset=0):
@@ -206,7 +228,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
 
     def write_file(fd, t, offset=0):
         i = offset // chunk_bytes
-        if fd == e.fd and i + 1 < n:
+        if fd == out_fd[0] and i + 1 < n:  # the parameter's new values (its spare slot)
             seen["write_during_compute"].append(computing[i + 1].wait(10))
         return real_write(fd, t, offset)
 
@@ -214,6 +236,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
         i = calls[0]
         calls[0] += 1
         if w.entry is e:
+            out_fd[0] = w.out["param"]
             computing[i].set()
             if i + 1 < n:
                 seen["read_during_compute"].append(read_started[i + 1].wait(10))

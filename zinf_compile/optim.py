@@ -28,6 +28,15 @@ rebuilds rare -- in a normal run there is one, at the first step).
                         and the write of chunk i-1 run in threads while chunk i computes: three chunk
                         buffers in memory, whatever the model's size.
 
+A step is all or nothing. The NVMe tier writes each record's new values (parameter, states) into
+the record's second file (its spare slot), never over the values it reads; only when every chunk of
+every parameter is written do the in-memory steps (resident parameters, CPU tier) run and the NVMe
+records switch slots (integer swaps), with SIGINT/SIGTERM held back until the switch is done. So
+an I/O error (a full disk) or Ctrl-C during a step leaves every parameter and state as the previous
+step left them; the error says so, and calling step() again continues bit-identically (the
+gradients are only read). The cost: the spare slots, one more shard-sized file per NVMe record
+(parameter and each state: 3 x the shard for Adam); no extra I/O.
+
 Hyperparameters are read from `param_groups` at each step, so the user or an LR scheduler may change
 them between steps (`ZinfOptimizer` is a `torch.optim.Optimizer` for the schedulers' sake).
 
@@ -36,6 +45,10 @@ parameters (or any without a gradient this step) are skipped, as torch does.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -164,6 +177,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme_state: dict[int, _NvmeState] = {}  # id(entry) -> its streamed state (entries are held by the layout)
         self._pending: list[Callable[[], None]] = []  # state loads waiting for the layout (checkpoint.py)
         self._pool: ThreadPoolExecutor | None = None
+        # id(entry) -> {"param" or a state name: fd}: each NVMe record's second slot, written by a
+        # step and switched to when the step is complete (the entry owns the files: file_nos)
+        self._spare: dict[int, dict[str, int]] = {}
         if chunk_elems is not None and (int(chunk_elems) <= 0 or int(chunk_elems) % _ALIGN_ELEMS):
             raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk_elems}")
         self.chunk_elems = chunk_elems  # None: from the budget its parameters were planned under
@@ -221,12 +237,19 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             self._push_hyper()
-            if lay.res_opt is not None:
-                lay.res_opt.step()
-            if lay.cpu_opt is not None:
-                self._cpu_step()
-            if lay.nvme:
-                self._nvme_step()
+            # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
+            # the old ones first; only when all are written do the in-memory steps run and the
+            # NVMe records switch slots, with Ctrl-C and SIGTERM held back until that is done.
+            work = self._nvme_prepare() if lay.nvme else []
+            if work:
+                self._nvme_step(work)
+            with _deferred_signals():
+                _point("step:commit")
+                if lay.res_opt is not None:
+                    lay.res_opt.step()
+                if lay.cpu_opt is not None:
+                    self._cpu_step()
+                self._nvme_commit(work)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -368,6 +391,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 opt.state.clear()
         keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
         self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
+        self._spare = {i: r for i, r in self._spare.items() if i in keep}
         for p, (form, st) in carried:
             try:
                 self._import_param_state(p, form, st)
@@ -580,15 +604,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._pool = ThreadPoolExecutor(8, thread_name_prefix="zinf-optim")
         return self._pool
 
-    def _nvme_step(self) -> None:
-        """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
-        with the arithmetic (the read of chunk i+1, the write of chunk i-1)."""
-        chunk = self._chunk()
+    def _nvme_prepare(self) -> list["_Work"]:
+        """The NVMe tier's work of this step: each parameter with a gradient, its states, and the
+        files its new values go to (the spare slot of each record: never the files read)."""
         work = []
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:
                 continue
-            e.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
             g = self._plain.param_groups[gi]
             if g.get("differentiable") or g.get("capturable"):
                 raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
@@ -598,10 +620,26 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if rec.step and not set(names) <= set(rec.names):
                 raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
                                 "turned on after the first step?)")
-            fds = {n: e.state_fd(n) for n in names}  # made here, not in the I/O threads
-            work.append(_Work(e, g, rec.step, names, fds, e.engine))
-        if not work:
-            return
+            fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
+            work.append(_Work(e, g, rec.step, names, fds, e.engine, {}))
+        return work
+
+    def _nvme_step(self, work: list["_Work"]) -> None:
+        """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
+        with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
+        to the record's spare file, never over the one read: until `_nvme_commit` switches the
+        slots, the previous step's parameters and states are whole in their files. A failure
+        here leaves them (and everything else) as they were: nothing was applied."""
+        chunk = self._chunk()
+        try:
+            for w in work:
+                w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
+                spare = self._spare.setdefault(id(w.entry), {})
+                for name in ("param",) + w.names:
+                    w.out[name] = spare.pop(name) if name in spare else w.entry._acquire()
+        except BaseException as err:
+            self._keep_spares(work)
+            raise self._nothing_applied(err) if isinstance(err, Exception) else err
         chunks = [(w, start, min(chunk, w.entry.shard_numel - start))
                   for w in work for start in range(0, w.entry.shard_numel, chunk)]
         width = max(w.entry.shard_dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
@@ -636,8 +674,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         def submit_write(i, v):
             w, start, n = chunks[i]
             off = start * w.entry.shard_dtype.itemsize
-            writes[i] = [pool.submit(w.engine.write_file, w.entry.fd, v["param"], off)] + [
-                pool.submit(w.engine.write_file, w.fds[name], v[name], off) for name in w.names]
+            writes[i] = [pool.submit(w.engine.write_file, w.out[name], v[name], off)
+                         for name in ("param",) + w.names]
 
         try:
             submit_read(0)
@@ -649,6 +687,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 w = chunks[i][0]
                 _adam_chunk(w, v)
                 submit_write(i, v)
+                _point("nvme-step:chunk-written")
             for i in sorted(writes):
                 _wait_all(writes.pop(i))
         except BaseException as err:
@@ -656,13 +695,80 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 _wait_all(futs, raise_=False)
             for futs in writes.values():
                 _wait_all(futs, raise_=False)
-            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves
+            self._keep_spares(work)
+            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves (nothing applied either)
                 raise
-            what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
-            raise ZinfError(f"zinf: the NVMe-tier optimizer step failed ({what}); the parameters and states "
-                            "of this step are partly updated") from err
+            raise self._nothing_applied(err) from err
+
+    def _keep_spares(self, work: list["_Work"]) -> None:
+        """After a failed step: the files written are spares again (the next attempt reuses them)."""
         for w in work:
-            self._nvme_state[id(w.entry)] = _NvmeState(w.step + 1, w.names)
+            spare = self._spare.setdefault(id(w.entry), {})
+            spare.update(w.out)
+            w.out = {}
+
+    @staticmethod
+    def _nothing_applied(err: BaseException) -> ZinfError:
+        what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
+        return ZinfError(f"zinf: the optimizer step failed in the NVMe tier ({what}); nothing was applied: "
+                         "every parameter and optimizer state (resident ones too) is as it was before this "
+                         "step, and the gradients are kept. Free space (or fix the cause) and call step() "
+                         "again: training continues exactly as if this attempt had not happened")
+
+    def _nvme_commit(self, work: list["_Work"]) -> None:
+        """Switch each record to the slot the step wrote (and keep the old one as the spare).
+        Integer swaps only: it cannot fail half-way."""
+        for w in work:
+            e, spare = w.entry, self._spare.setdefault(id(w.entry), {})
+            spare["param"], e.fd = e.fd, w.out["param"]
+            for name in w.names:
+                old = e.state_fds.get(name)
+                e.state_fds[name] = w.out[name]
+                if old is not None:
+                    spare[name] = old
+            w.out = {}
+            self._nvme_state[id(e)] = _NvmeState(w.step + 1, w.names)
+
+
+# A test hook (tests/workers/): called with the name of a point of a step, e.g. to pause there
+# while the test kills the process. None in normal runs.
+FAULT_HOOK: Callable[[str], None] | None = None
+
+
+def _point(name: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(name)
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+    """Hold SIGINT and SIGTERM back for the block (the commit of a step: short, in memory) and
+    deliver them after it, to the handlers that were set. Only in the main thread (the only one
+    Python runs signal handlers in)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got, old = [], {}
+
+    def note(signum, frame):
+        got.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, note)
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in got:
+            handler = old.get(sig)
+            if callable(handler):
+                handler(sig, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
 
 
 @dataclass
@@ -671,8 +777,9 @@ class _Work:
     group: dict
     step: int
     names: tuple
-    fds: dict
+    fds: dict  # name -> the file the state is read from (the committed slot)
     engine: Any
+    out: dict  # "param" and state names -> the file the new values go to (the spare slot)
 
 
 def _wait_all(futs, raise_: bool = True) -> None:
