@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -400,9 +401,14 @@ def test_failed_save_leaves_nothing(offload_root, tmp_path, monkeypatch):
     assert {f: open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(good) for f in fs} != before
     with pytest.raises(ZinfError, match="not a zinf checkpoint"):
         save_checkpoint(str(tmp_path / "a_file"), model, opt)
-    manifest = json.load(open(os.path.join(good, "manifest.json")))
+    version = open(os.path.join(good, "CURRENT")).read().split()[0]
+    manifest = json.load(open(os.path.join(good, version, "manifest.json")))
     manifest["world"] = 2
-    json.dump(manifest, open(os.path.join(good, "manifest.json"), "w"))
+    text = json.dumps(manifest).encode()
+    open(os.path.join(good, version, "manifest.json"), "wb").write(text)
+    with pytest.raises(ZinfError, match=r"manifest\.json' is damaged \(its checksum"):
+        load_checkpoint(good, model, opt)
+    open(os.path.join(good, "CURRENT"), "w").write(f"{version} {zlib.crc32(text)}\n")  # as if saved so
     with pytest.raises(ZinfError, match="saved by 2 process"):
         load_checkpoint(good, model, opt)
 
@@ -482,7 +488,7 @@ def run(request, reference, offload_root, tmp_path_factory):
     try:
         torch._dynamo.reset()
         a, ca, opt_a = zinf_mlp(tier, offload_root)
-        out = dict(tier=tier, losses=train(ca, opt_a, range(2)))
+        out = dict(tier=tier, losses=train(ca, opt_a, range(2)), ckpt=ckpt)
         save_checkpoint(ckpt, ca, opt_a)
         out["losses"] += train(ca, opt_a, range(2, 4))
         out["managed"] = {n: STORE.entry(p) is not None for n, p in a.named_parameters()}
@@ -524,7 +530,9 @@ def test_optimizer_state_dict_equals_torch(run, reference):
 
 
 def test_checkpoint_resume_is_exact(run, reference):
-    assert run["files"] == ["manifest.json", "optim.pt"] + [f"rank00000/t0000{i}.pt" for i in range(4)]
+    version = open(os.path.join(run["ckpt"], "CURRENT")).read().split()[0]
+    assert run["files"] == ["CURRENT"] + [f"{version}/{f}" for f in ["manifest.json", "optim.pt"]] + [
+        f"{version}/rank00000/t0000{i}.pt" for i in range(4)]
     for a, b in zip(run["resumed"], reference["losses"][2:], strict=True):
         assert torch.equal(a, b), (run["resumed"], reference["losses"][2:])
     for k, v in reference["params"].items():

@@ -89,6 +89,7 @@ class Entry:
     fd: int | None = None  # nvme tier: the shard's file
     grad: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
     grad_fd: int | None = None  # nvme tier
+    grad_spare_fd: int | None = None  # nvme tier: where an accumulated gradient is written, then switched to
     has_grad: bool = False
     # nvme tier: the flat [lo, hi) ranges of this step's gradient written so far, tile by tile
     # (empty: the whole file is this step's gradient when has_grad)
@@ -305,9 +306,12 @@ class Entry:
         if self.tier == "cpu":
             self.grad = flat
         else:
-            if self.grad_fd is None:
-                self.grad_fd = self._acquire()
-            self.engine.write_file(self.grad_fd, flat.contiguous())
+            fd = self.grad_fd = self._acquire() if self.grad_fd is None else self.grad_fd
+            if self.has_grad:  # the gradient held survives a failed write: the sum goes beside it
+                fd = self.grad_spare_fd = self._acquire() if self.grad_spare_fd is None else self.grad_spare_fd
+            self.engine.write_file(fd, flat.contiguous())
+            if fd != self.grad_fd:
+                self.grad_spare_fd, self.grad_fd = self.grad_fd, fd
         self.grad_parts.clear()
         self.grad_scales.clear()
         self.has_grad = True
@@ -332,7 +336,7 @@ class Entry:
             for n in self.file_nos:
                 swap.release(n)
         self.file_nos.clear()
-        self.fd = self.grad_fd = None
+        self.fd = self.grad_fd = self.grad_spare_fd = None
         self.state_fds.clear()
 
 
