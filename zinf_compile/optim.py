@@ -20,8 +20,13 @@ rebuilds rare -- in a normal run there is one, at the first step).
                         (`entry.shard`); each step hands them their gradient shards. Elementwise
                         optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) compute on the flat
                         shard exactly what they compute on the whole parameter.
-  managed, "nvme" tier  streamed (ZeRO-Infinity's pipelined optimizer swapper): Adam and AdamW only.
-                        Per parameter the flat shard is processed in chunks of `chunk_elems`; for
+  managed, "nvme" tier  streamed (ZeRO-Infinity's pipelined optimizer swapper). Any elementwise
+                        optimizer: per chunk of `chunk_elems` elements, the parameter, gradient and
+                        per-element states (momentum_buffer, sum, ...) are read from their files and
+                        stepped by an instance of the optimizer's own class over that chunk (its
+                        other states, e.g. step, kept in memory), then written back; one chunk at a
+                        time, not overlapped. Adam and AdamW take a faster path:
+                        per parameter the flat shard is processed in chunks of `chunk_elems`; for
                         each chunk the parameter, gradient and states are read from their files, the
                         chunk is stepped by torch's own functional Adam (`torch.optim.adam.adam`, the
                         path `torch.optim.AdamW.step` takes), and written back. The read of chunk i+1
@@ -46,6 +51,7 @@ parameters (or any without a gradient this step) are skipped, as torch does.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import threading
@@ -153,7 +159,8 @@ class _Layout:
 @dataclass
 class _NvmeState:
     step: int = 0  # steps taken (torch's state["step"]); 0: the states are zeros, never read
-    names: tuple = ()  # state files written
+    names: tuple = ()  # state files written (per-element states)
+    scalars: dict = field(default_factory=dict)  # other optimizers' other states (step, mu_product, ...)
 
 
 class ZinfOptimizer(torch.optim.Optimizer):
@@ -456,12 +463,6 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _check_managed_class(self) -> None:
         lay = self._layout
-        if lay.nvme and self._cls not in _supported_nvme():
-            raise ZinfError(
-                f"zinf: {len(lay.nvme)} parameter(s) live in the NVMe tier (e.g. {lay.nvme[0][2].name!r}); "
-                f"zinf steps them by streaming their states through memory, which it implements for "
-                f"torch.optim.Adam and torch.optim.AdamW only, not {self._cls.__name__}. Use one of those, "
-                f"or offload='cpu' (any elementwise optimizer), or params='resident'.")
         if (lay.cpu or lay.nvme) and issubclass(self._cls, _whole_param_classes()):
             raise ZinfError(
                 f"zinf: {self._cls.__name__} needs whole parameters (its update is not elementwise), but "
@@ -494,7 +495,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if rec is None or rec.step == 0:
             return None
         g = self._plain.param_groups[self._layout.where[id(p)][2]]
-        st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
+        if self._fast():
+            st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
+        else:
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in rec.scalars.items()}
         for name in rec.names:
             buf = torch.empty(e.shard_numel, dtype=e.shard_dtype)
             e.engine.read_file(e.state_fd(name), buf)
@@ -536,6 +540,18 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, k)
                 out[k] = _cast_like(e.shard, k, v, group)
             lay.cpu_opt.state[e.shard] = out
+            return
+        if not self._fast():  # nvme, any other optimizer: per-element states to files, the rest to memory
+            names, scalars = [], {}
+            for k, v in st.items():
+                if _per_element(k, v):
+                    v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, k)
+                    e.engine.write_file(e.state_fd(k), v.detach().to(device="cpu", dtype=e.shard_dtype).contiguous())
+                    names.append(k)
+                else:
+                    scalars[k] = _cast_like(e.shard if e.shard is not None else torch.empty(0, dtype=e.shard_dtype),
+                                            k, v, group)
+            self._nvme_state[id(e)] = _NvmeState(1 if st else 0, tuple(names), scalars)
             return
         # nvme: the states to their files, the step count to memory
         unknown = sorted(set(st) - {"step", *_NVME_STATES})
@@ -616,6 +632,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
                                 "and capturable=True are not supported there")
             rec = self._nvme_state.get(id(e)) or _NvmeState()
+            if not self._fast():
+                fds = {n: e.state_fds[n] for n in rec.names} if rec.step else {}
+                work.append(_Work(e, g, rec.step, rec.names if rec.step else (), fds, e.engine, {},
+                                  scalars=rec.scalars if rec.step else None))
+                continue
             names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
             if rec.step and not set(names) <= set(rec.names):
                 raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
@@ -634,9 +655,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
         try:
             for w in work:
                 w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
-                spare = self._spare.setdefault(id(w.entry), {})
                 for name in ("param",) + w.names:
-                    w.out[name] = spare.pop(name) if name in spare else w.entry._acquire()
+                    self._out_file(w, name)
+            if not self._fast():
+                self._generic_step(work, chunk)
+                return
         except BaseException as err:
             self._keep_spares(work)
             raise self._nothing_applied(err) if isinstance(err, Exception) else err
@@ -700,6 +723,45 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 raise
             raise self._nothing_applied(err) from err
 
+    def _fast(self) -> bool:
+        """Adam and AdamW: the pipelined NVMe step (torch's functional adam on each chunk)."""
+        return self._cls in _supported_nvme()
+
+    def _out_file(self, w: "_Work", name: str) -> int:
+        """The file record `name` of w's parameter is written to this step: its spare slot."""
+        if name not in w.out:
+            spare = self._spare.setdefault(id(w.entry), {})
+            w.out[name] = spare.pop(name) if name in spare else w.entry._acquire()
+        return w.out[name]
+
+    def _generic_step(self, work: list["_Work"], chunk: int) -> None:
+        """Any other elementwise torch.optim optimizer over the NVMe tier: per chunk of each flat
+        shard, the parameter, gradient and per-element states are read, stepped by an instance of
+        the optimizer's own class over that chunk (its state set from the files and the record's
+        other states), and written to the spare slots. Not overlapped (Adam/AdamW are)."""
+        for w in work:
+            e, dt = w.entry, w.entry.shard_dtype
+            names, scalars = None, None
+            for start in range(0, e.shard_numel, chunk):
+                n = min(chunk, e.shard_numel - start)
+                off = start * dt.itemsize
+                p = torch.empty(n, dtype=dt)
+                w.engine.read_file(e.fd, p, off)
+                grad = torch.empty(n, dtype=dt)
+                e.read_grad_into(grad, start)
+                st = {}
+                for name in w.names:
+                    st[name] = torch.empty(n, dtype=dt)
+                    w.engine.read_file(w.fds[name], st[name], off)
+                new = _generic_chunk(self._cls, self._kwargs, w.group, p, grad, st, w.scalars)
+                per = {k: v for k, v in new.items() if _per_element(k, v) and v.numel() == n}
+                if names is None:
+                    names, scalars = tuple(per), {k: v for k, v in new.items() if k not in per}
+                for k, v in ({"param": p} | per).items():
+                    w.engine.write_file(self._out_file(w, k), v.detach().contiguous(), off)
+                _point("nvme-step:chunk-written")
+            w.names, w.scalars = names or (), scalars or {}
+
     def _keep_spares(self, work: list["_Work"]) -> None:
         """After a failed step: the files written are spares again (the next attempt reuses them)."""
         for w in work:
@@ -727,7 +789,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 if old is not None:
                     spare[name] = old
             w.out = {}
-            self._nvme_state[id(e)] = _NvmeState(w.step + 1, w.names)
+            self._nvme_state[id(e)] = _NvmeState(w.step + 1, w.names, w.scalars or {})
 
 
 # A test hook (tests/workers/): called with the name of a point of a step, e.g. to pause there
@@ -780,6 +842,23 @@ class _Work:
     fds: dict  # name -> the file the state is read from (the committed slot)
     engine: Any
     out: dict  # "param" and state names -> the file the new values go to (the spare slot)
+    scalars: dict | None = None  # other optimizers: the states that are not per element (step, ...)
+
+
+def _generic_chunk(cls: type, kwargs: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, states: dict,
+                   scalars: dict | None) -> dict:
+    """One chunk stepped by `cls` itself: a fresh instance over the chunk as its one parameter,
+    with the group's hyperparameters and the chunk's states; returns its state after the step."""
+    hyper = {k: v for k, v in group.items() if k not in _FORWARD_KEYS}
+    p.grad = grad
+    opt = cls([dict(hyper, params=[p])], **kwargs)
+    if scalars is not None:  # a state from earlier steps (else: whatever the class starts with)
+        opt.state[p] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                           for k, v in scalars.items()}, **states}
+    with torch.no_grad():
+        opt.step()
+    p.grad = None
+    return dict(opt.state[p])
 
 
 def _wait_all(futs, raise_: bool = True) -> None:
