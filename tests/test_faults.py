@@ -285,6 +285,27 @@ def test_full_disk_during_a_save_keeps_the_old_checkpoint(small_fs, tmp_path):
     assert len(os.listdir(ckpt)) == 2 and sorted(os.listdir(ckpt)) != old
 
 
+def test_ctrl_c_during_the_commit_arrives_after_it(tmp_path, monkeypatch):
+    """The switch to the new slots (and the in-memory steps) is not interrupted half-way: a
+    SIGINT there is delivered right after it, the step applied whole."""
+    import zinf_compile.optim as zoptim
+
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+
+    def interrupt(name):
+        if name == "step:commit":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(zoptim, "FAULT_HOOK", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    step_ref(ref, ref_opt, grads(1, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
 # -- kills ---------------------------------------------------------------------------------------
 KILL_POINTS = {  # where the worker is killed -> the checkpoint that must load: after step 1 or 2
     "nvme-step:chunk-written": 1, "step:commit": 1,
@@ -435,3 +456,50 @@ def test_a_dead_saves_folder_is_removed_by_the_next_save_and_a_live_ones_kept(sa
     save_checkpoint(ckpt, model, opt)
     left = sorted(os.listdir(ckpt))
     assert os.path.basename(stale) not in left and os.path.basename(live) in left and len(left) == 3
+
+
+# -- the real workload: a compiled Hugging Face Llama ---------------------------------------------
+def test_a_compiled_llama_on_a_full_disk_keeps_its_state_and_resumes_exactly(small_fs):
+    """Training a compiled HF Llama with its parameters in the NVMe tier on a small disk: when the
+    disk fills, the step and the save fail saying so, nothing changed; after space is freed the
+    retried step is torch's AdamW step from the state before, bit for bit."""
+    from hf_models import hf_batch, hf_model
+
+    fs = small_fs(32 << 20)
+    model = hf_model("llama", layers=1)
+    compiled = torch.compile(model, backend="zinf",
+                             options={"params": "offload", "offload": "nvme", "offload_dir": fs.path})
+    opt = optimizer(compiled, torch.optim.AdamW, **HP)
+    batch = hf_batch("llama", batch=2, seq=32)
+    compiled(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    compiled(**batch).loss.backward()
+    managed = {n for n, p in model.named_parameters() if STORE.entry(p) is not None}
+    assert len(managed) >= 8 and all(STORE.entry(p).tier == "nvme" for n, p in model.named_parameters() if n in managed)
+    grads = {n: (STORE.entry(p).read_grad()[:p.numel()].view(p.shape).clone() if n in managed else p.grad.clone())
+             for n, p in model.named_parameters()}
+    params, state = copy.deepcopy(full_state_dict(compiled)), copy.deepcopy(opt.state_dict())
+    fs.fill(leave=64 << 10)  # step 2 makes the states' second slots
+    with pytest.raises(ZinfError, match=r"(?i)no space left on device.*nothing was applied"):
+        opt.step()
+    ckpt = os.path.join(fs.path, "ckpt")
+    with pytest.raises(ZinfError, match="no space left on device"):
+        save_checkpoint(ckpt, compiled, opt)
+    assert not os.path.exists(ckpt)
+    after = full_state_dict(compiled)
+    assert all(torch.equal(after[k], v) for k, v in params.items())
+    assert_same_optim_state(opt.state_dict(), state)
+    fs.unfill()
+    opt.step()
+    ref = hf_model("llama", layers=1)
+    ref.load_state_dict(params)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ref_opt.load_state_dict(state)
+    for n, q in ref.named_parameters():
+        q.grad = grads[n]
+    ref_opt.step()
+    after = full_state_dict(compiled)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(after[k], v), k
+    assert_same_optim_state(opt.state_dict(), ref_opt.state_dict())
