@@ -503,3 +503,25 @@ def test_a_compiled_llama_on_a_full_disk_keeps_its_state_and_resumes_exactly(sma
     for k, v in ref.state_dict().items():
         assert torch.equal(after[k], v), k
     assert_same_optim_state(opt.state_dict(), ref_opt.state_dict())
+
+
+# -- several ranks -------------------------------------------------------------------------------
+def test_two_ranks_save_and_load_a_checkpoint_and_refuse_a_damaged_shard(tmp_path):
+    """Each rank writes its shards; rank 0's manifest holds every rank's checksums; a rank whose
+    own shard file is damaged refuses to load (the other loads: it reads only its own files)."""
+    import json
+
+    out = str(tmp_path / "out.json")
+    worker = os.path.join(os.path.dirname(WORKER), "dist_checkpoint.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", worker,
+           str(tmp_path / "swap"), str(tmp_path / "ckpt"), out]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.load(open(out))
+    assert res["world"] == 2 and res["loaded_equal"] and res["sharded"] == [128 * 256 // 2] * 2
+    assert "rank00001/t00002.pt" in res["files"] and "rank00000/t00002.pt" in res["files"]
+    assert res["errors"][0] is None
+    assert res["errors"][1] is not None and "rank00001/t00002.pt" in res["errors"][1] and "damaged" in res["errors"][1]
+    assert res["unchanged"]
+    assert not os.path.exists(tmp_path / "swap") or os.listdir(tmp_path / "swap") == []
