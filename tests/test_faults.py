@@ -56,8 +56,14 @@ class SmallFS:
                 self._check(fd, memoryview(data).nbytes, os.lseek(fd, 0, os.SEEK_CUR))
                 return real_write(fd, data)
 
+            def posix_fallocate(fd, offset, length):
+                self._check(fd, length, offset)
+                return real_fallocate(fd, offset, length)
+
+            real_fallocate = os.posix_fallocate
             monkeypatch.setattr(os, "pwrite", pwrite)
             monkeypatch.setattr(os, "write", write)
+            monkeypatch.setattr(os, "posix_fallocate", posix_fallocate)
 
     def _mount(self) -> bool:
         if os.environ.get("ZINF_TEST_FS") == "hook":
@@ -304,6 +310,33 @@ def test_ctrl_c_during_the_commit_arrives_after_it(tmp_path, monkeypatch):
     step_ref(ref, ref_opt, grads(1, ref))
     assert_like_ref(model, opt, ref, ref_opt)
     zinf_compile.reset()
+
+
+@pytest.mark.parametrize("mode", ["tmpfs", "hook"])
+def test_full_disk_while_loading_optimizer_states_changes_nothing(small_fs, tmp_path, mode):
+    """A fresh optimizer has no state files yet: loading a checkpoint makes them. On a full disk
+    the load fails before the model or optimizer changed."""
+    ref, model, opt, _ = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+    opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, model, opt)
+    saved = snapshot(model, opt)
+    fs = small_fs(4 << 20, mode=None if mode == "tmpfs" else "hook")
+    fresh = build()
+    torch.nn.init.normal_(fresh[0].weight)
+    manage(fresh, fs.path, key=next(_keys))
+    fresh_opt = optimizer(fresh, torch.optim.AdamW, chunk_elems=CHUNK, **HP)
+    fresh_opt.zero_grad()  # lays the optimizer out over the managed parameters
+    before = snapshot(fresh, fresh_opt)
+    assert before[1]["state"] == {}
+    fs.fill(leave=0)
+    with pytest.raises(ZinfError, match=r"no space left on device.*optimizer state of '0.weight'.*nothing was loaded"):
+        load_checkpoint(ckpt, fresh, fresh_opt)
+    assert_snapshot(fresh, fresh_opt, before)
+    fs.unfill()
+    load_checkpoint(ckpt, fresh, fresh_opt)
+    assert_snapshot(fresh, fresh_opt, saved)
 
 
 # -- kills ---------------------------------------------------------------------------------------

@@ -606,6 +606,9 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
         _check_groups(optimizer, meta, own)
     _verify(root, manifest, sorted({rel for k, t in own.items() if "alias_of" not in recs[k]
                                     for rel in reader.files(recs[k], _entry(t))}))
+    if optimizer is not None and optimizer._any_managed():
+        optimizer._sync()
+        _reserve_states(optimizer, own, recs, manifest, reader, path)
     # -- checked: from here on the model and optimizer change
     for k, t in own.items():
         r = recs[k]
@@ -636,6 +639,37 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
         load_states()
     else:
         optimizer._defer(load_states)
+
+
+def _reserve_states(optimizer, own: dict, recs: dict, manifest: dict, reader: "_Reader", path: str) -> None:
+    """Give each NVMe-tier optimizer state the load will write its file's space now (a fresh
+    optimizer has no state files yet): a full disk fails here, before anything changed, not
+    half-way through the optimizer's states."""
+    for k, t in own.items():
+        r = recs[k]
+        if "alias_of" in r or not isinstance(t, nn.Parameter):
+            continue
+        try:
+            kind, e, _ = optimizer._where(t)
+        except ZinfError:
+            continue  # not one of the optimizer's parameters
+        if kind != "nvme":
+            continue
+        tensors = manifest["files"].get(reader.files(r, e)[0], {}).get("tensors", {})
+        for key, (shape, _) in tensors.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            if not key.startswith("optim.state.") or key.count(".") != 2 or not shape or numel not in (
+                    e.shard_numel, e.numel):
+                continue
+            fd = e.state_fd(key.split(".")[2])
+            try:
+                os.posix_fallocate(fd, 0, e.shard_nbytes)
+            except OSError as err:
+                raise ZinfError(f"zinf: loading the checkpoint {path!r} failed: {(err.strerror or str(err)).lower()} "
+                                f"(making room for the optimizer state of {k!r} in the NVMe swap folder "
+                                f"{e.engine.swap.path!r}); nothing was loaded") from None
 
 
 def _check_groups(optimizer, meta: dict, own: dict) -> None:
