@@ -252,10 +252,14 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 self._nvme_step(work)
             with _deferred_signals():
                 _point("step:commit")
-                if lay.res_opt is not None:
-                    lay.res_opt.step()
-                if lay.cpu_opt is not None:
-                    self._cpu_step()
+                try:
+                    if lay.res_opt is not None:
+                        lay.res_opt.step()
+                    if lay.cpu_opt is not None:
+                        self._cpu_step()
+                except BaseException:
+                    self._keep_spares(work)  # not an I/O error: torch's own, raised as it is
+                    raise
                 self._nvme_commit(work)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
