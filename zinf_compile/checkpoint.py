@@ -397,8 +397,8 @@ def _switch(path: str, version: str, manifest_crc: int, made: list[str]) -> None
             os.remove(tmp)
         raise
     _fsync_dir(path)
-    if made:  # a folder this save made: its entry in the parent must last too
-        _fsync_dir(os.path.dirname(made[0]))
+    for d in made:  # folders this save made: their entries in their parents must last too
+        _fsync_dir(os.path.dirname(d))
 
 
 def _current(path: str) -> str | None:
