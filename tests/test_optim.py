@@ -311,6 +311,32 @@ def test_state_dict_round_trip_and_torch_interop(offload_root, tier, cls, kw):
     assert_same_optim_state(opt2.state_dict(), ref_opt.state_dict())
 
 
+def test_checkpoint_of_another_optimizer_on_nvme_resumes_exactly(offload_root, tmp_path):
+    """SGD with momentum on NVMe shards: its momentum buffers go through a checkpoint into another
+    model's NVMe files, and the next step is torch's."""
+    kw = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    ref = small()
+    model = copy.deepcopy(ref)
+    manage(model, "nvme", offload_root)
+    opt, ref_opt = optimizer(model, torch.optim.SGD, **kw), torch.optim.SGD(ref.parameters(), **kw)
+    opt.chunk_elems = CHUNK
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        step_both(model, ref, opt, ref_opt, gen)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    other = small(seed=3)
+    manage(other, "nvme", offload_root)
+    other_opt = optimizer(other, torch.optim.SGD, **kw)
+    other_opt.chunk_elems = CHUNK
+    load_checkpoint(str(tmp_path / "ckpt"), other, other_opt)
+    assert_same_optim_state(other_opt.state_dict(), ref_opt.state_dict())
+    step_both(other, ref, other_opt, ref_opt, gen)
+    assert_same_params(other, ref)
+    assert_same_optim_state(other_opt.state_dict(), ref_opt.state_dict())
+
+
 def test_nothing_managed_is_torch_itself():
     ref = small()
     model = copy.deepcopy(ref)
