@@ -558,3 +558,23 @@ def test_two_ranks_save_and_load_a_checkpoint_and_refuse_a_damaged_shard(tmp_pat
     assert res["errors"][1] is not None and "rank00001/t00002.pt" in res["errors"][1] and "damaged" in res["errors"][1]
     assert res["unchanged"]
     assert not os.path.exists(tmp_path / "swap") or os.listdir(tmp_path / "swap") == []
+
+
+# -- a finalizer while the store is busy ----------------------------------------------------------
+def test_a_parameter_dying_in_another_thread_while_the_store_is_busy_does_not_wait():
+    """A parameter's finalizer runs in whatever thread's garbage collection frees it, e.g. a new I/O
+    thread that `manage` (holding the store's lock) waits to start: it must not wait for the lock
+    (that hung the suite: tests/test_faults.py's kill test, 14:3x on 2026-12-03)."""
+    import threading
+
+    holder = [torch.nn.Parameter(torch.randn(16))]
+    pid = STORE.identify(holder[0], "dying")
+    with STORE._lock:  # as manage holds it
+        t = threading.Thread(target=holder.clear)  # the parameter dies in that thread
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the finalizer waited for the store's lock"
+        assert pid in STORE._forgotten
+    fresh = torch.nn.Parameter(torch.randn(16))
+    STORE.identify(fresh, "fresh")  # takes the lock: the dead one is forgotten now
+    assert pid not in STORE._forgotten and pid not in STORE._keys

@@ -350,6 +350,7 @@ class ParamStore:
         self._keys: dict[int, int] = {}  # pid -> storage key (changes when manage swaps a storage)
         self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
         self._lock = threading.RLock()
+        self._forgotten: list[int] = []  # parameters that died while the lock was busy (_forget_id)
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
         self._tickets = itertools.count(1)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
@@ -360,6 +361,7 @@ class ParamStore:
     def identify(self, param: torch.Tensor, name: str) -> int:
         """A stable id for `param` (its storage), given on first sight."""
         with self._lock:
+            self._drain()
             k = _key(param)
             pid = self._ids.get(k)
             if pid is None:
@@ -372,19 +374,33 @@ class ParamStore:
             return pid
 
     def _forget_id(self, pid: int) -> None:
-        with self._lock:
+        # A finalizer runs inside some thread's garbage collection, maybe a thread the lock's holder
+        # waits for (an I/O thread being started while `manage` writes a shard): it never waits for
+        # the lock (that deadlocked); a busy lock's holder forgets the parameter (`_drain`).
+        self._forgotten.append(pid)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Forget the parameters that died (with the lock held)."""
+        while self._forgotten:
+            pid = self._forgotten.pop()
             k = self._keys.pop(pid, None)
             if k is not None and self._ids.get(k) == pid:
                 del self._ids[k]
             e = self._entries.pop(pid, None)
-        if e is not None:
-            e.close_files()
+            if e is not None:
+                e.close_files()
 
     def pid(self, t: torch.Tensor) -> int | None:
-        return self._ids.get(_key(t))
+        pid = self._ids.get(_key(t))
+        return None if self._forgotten and pid in self._forgotten else pid  # a dead one's storage reused
 
     def entry(self, t: torch.Tensor) -> Entry | None:
-        pid = self._ids.get(_key(t))
+        pid = self.pid(t)
         return None if pid is None else self._entries.get(pid)
 
     def entry_by_id(self, pid: int) -> Entry | None:
@@ -401,6 +417,7 @@ class ParamStore:
         """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
         given), free its storage."""
         with self._lock:
+            self._drain()
             e = self._entries.get(pid)
             if e is not None:
                 return e
