@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -85,6 +86,10 @@ CASES = [
     ("cpu", torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
     ("nvme", torch.optim.AdamW, HP),
     ("nvme", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
+    # any other torch.optim optimizer in the NVMe tier: streamed through an instance of its own class
+    ("nvme", torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    ("nvme", torch.optim.Adagrad, dict(lr=1e-2, lr_decay=1e-3, weight_decay=1e-3, initial_accumulator_value=0.1)),
+    ("nvme", torch.optim.NAdam, dict(lr=1e-2, weight_decay=1e-3)),  # a scalar state besides step: mu_product
 ]
 
 
@@ -144,38 +149,60 @@ def test_state_follows_parameters_taken_over_and_released(offload_root, tier):
     assert_same_optim_state(opt.state_dict(), ref_opt.state_dict())
 
 
-def test_nvme_tier_rejects_other_optimizers(offload_root):
+def test_managed_shards_refuse_optimizers_that_need_whole_parameters(offload_root):
     model = small()
     manage(model, "nvme", offload_root)
-    opt = optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt = optimizer(model, torch.optim.LBFGS, lr=0.1)
     give_grads(model, [torch.ones_like(p) for p in model.parameters()])
-    with pytest.raises(ZinfError, match=r"NVMe tier.*torch\.optim\.Adam and torch\.optim\.AdamW only, not SGD"):
-        opt.step()
+    with pytest.raises(ZinfError, match=r"LBFGS needs whole parameters"):
+        opt.step(lambda: torch.zeros(()))
 
 
 def test_nvme_step_interrupts_and_failures_say_what_they_are(offload_root, monkeypatch):
     """Ctrl-C in the streamed step arrives as KeyboardInterrupt; an I/O error (zinf's own, e.g. a
-    full disk) says the step is partly applied."""
+    full disk) says nothing was applied. Either way, after chunks were already written, every
+    parameter (the resident bias too) and state is the previous step's, and a retry continues
+    bit-identically to a run that never failed."""
     import zinf_compile.optim as zoptim
 
-    model = small()
+    ref = small()
+    model = copy.deepcopy(ref)
     manage(model, "nvme", offload_root)
-    opt = optimizer(model, torch.optim.AdamW, lr=0.1, chunk_elems=4096)
-    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+    opt, ref_opt = optimizer(model, torch.optim.AdamW, **HP), torch.optim.AdamW(ref.parameters(), **HP)
+    opt.chunk_elems = CHUNK
+    gen = torch.Generator().manual_seed(3)
+    step_both(model, ref, opt, ref_opt, gen)
+    before = [whole(p).clone() for p in model.parameters()]
+    before_sd = copy.deepcopy(opt.state_dict())
+    grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
+    give_grads(model, grads)
+    real = zoptim._adam_chunk
 
-    def interrupt(w, v):
-        raise KeyboardInterrupt
+    def fail_on_second(exc):
+        calls = []
 
-    monkeypatch.setattr(zoptim, "_adam_chunk", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        opt.step()
+        def chunk(w, v):
+            calls.append(1)
+            if len(calls) == 2:  # the first chunk's new values are already written
+                raise exc
+            return real(w, v)
+        return chunk
 
-    def full_disk(w, v):
-        raise ZinfError("zinf: No space left on device writing to /nvme/zinf")
-
-    monkeypatch.setattr(zoptim, "_adam_chunk", full_disk)
-    with pytest.raises(ZinfError, match="No space left on device.*partly updated"):
-        opt.step()
+    for exc, match in ((KeyboardInterrupt(), None),
+                       (ZinfError("zinf: No space left on device writing to /nvme/zinf"),
+                        "No space left on device.*nothing was applied")):
+        monkeypatch.setattr(zoptim, "_adam_chunk", fail_on_second(exc))
+        with pytest.raises(type(exc), match=match):
+            opt.step()
+        assert all(torch.equal(whole(p), b) for p, b in zip(model.parameters(), before))
+        assert_same_optim_state(opt.state_dict(), before_sd)
+    monkeypatch.setattr(zoptim, "_adam_chunk", real)
+    opt.step()  # the retry, with the same gradients
+    for q, g in zip(ref.parameters(), grads):
+        q.grad = g.clone()
+    ref_opt.step()
+    assert_same_params(model, ref)
+    assert_same_optim_state(opt.state_dict(), ref_opt.state_dict())
 
 
 def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
@@ -196,7 +223,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
     read_started = [threading.Event() for _ in range(n)]
     computing = [threading.Event() for _ in range(n)]
     seen = {"read_during_compute": [], "write_during_compute": []}
-    engine, calls = e.engine, [0]
+    engine, calls, out_fd = e.engine, [0], [None]
     real_read, real_write, real_chunk = engine.read_file, engine.write_file, zoptim._adam_chunk
 
     def read_file(fd, t, offset=0):
@@ -206,7 +233,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
 
     def write_file(fd, t, offset=0):
         i = offset // chunk_bytes
-        if fd == e.fd and i + 1 < n:
+        if fd == out_fd[0] and i + 1 < n:  # the parameter's new values (its spare slot)
             seen["write_during_compute"].append(computing[i + 1].wait(10))
         return real_write(fd, t, offset)
 
@@ -214,6 +241,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
         i = calls[0]
         calls[0] += 1
         if w.entry is e:
+            out_fd[0] = w.out["param"]
             computing[i].set()
             if i + 1 < n:
                 seen["read_during_compute"].append(read_started[i + 1].wait(10))
@@ -237,14 +265,18 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
     assert_same_params(model, ref)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_state_dict_round_trip_and_torch_interop(offload_root, tier):
+ROUND_TRIP = [("cpu", torch.optim.AdamW, HP), ("nvme", torch.optim.AdamW, HP),
+              ("nvme", torch.optim.Adagrad, dict(lr=1e-2, lr_decay=1e-3))]
+
+
+@pytest.mark.parametrize("tier,cls,kw", ROUND_TRIP, ids=[f"{t}-{c.__name__}" for t, c, _ in ROUND_TRIP])
+def test_state_dict_round_trip_and_torch_interop(offload_root, tier, cls, kw):
     """zinf's state dict is torch's (one process): each loads into the other and training goes on
     bit-identically."""
     ref = small()
     model = copy.deepcopy(ref)
     manage(model, tier, offload_root)
-    opt, ref_opt = optimizer(model, torch.optim.AdamW, **HP), torch.optim.AdamW(ref.parameters(), **HP)
+    opt, ref_opt = optimizer(model, cls, **kw), cls(ref.parameters(), **kw)
     opt.chunk_elems = CHUNK
     gen = torch.Generator().manual_seed(2)
 
@@ -266,7 +298,7 @@ def test_state_dict_round_trip_and_torch_interop(offload_root, tier):
     # torch's state into a zinf optimizer over other managed parameters, zinf's into torch's
     model2, ref2 = copy.deepcopy(ref), copy.deepcopy(ref)
     manage(model2, tier, offload_root)
-    opt2, ref_opt2 = optimizer(model2, torch.optim.AdamW, **HP), torch.optim.AdamW(ref2.parameters(), **HP)
+    opt2, ref_opt2 = optimizer(model2, cls, **kw), cls(ref2.parameters(), **kw)
     opt2.chunk_elems = CHUNK
     opt2.load_state_dict(ref_sd)
     ref_opt2.load_state_dict(sd)
@@ -277,6 +309,32 @@ def test_state_dict_round_trip_and_torch_interop(offload_root, tier):
     for m in (model, model2, ref2):
         assert_same_params(m, ref)
     assert_same_optim_state(opt2.state_dict(), ref_opt.state_dict())
+
+
+def test_checkpoint_of_another_optimizer_on_nvme_resumes_exactly(offload_root, tmp_path):
+    """SGD with momentum on NVMe shards: its momentum buffers go through a checkpoint into another
+    model's NVMe files, and the next step is torch's."""
+    kw = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    ref = small()
+    model = copy.deepcopy(ref)
+    manage(model, "nvme", offload_root)
+    opt, ref_opt = optimizer(model, torch.optim.SGD, **kw), torch.optim.SGD(ref.parameters(), **kw)
+    opt.chunk_elems = CHUNK
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        step_both(model, ref, opt, ref_opt, gen)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    other = small(seed=3)
+    manage(other, "nvme", offload_root)
+    other_opt = optimizer(other, torch.optim.SGD, **kw)
+    other_opt.chunk_elems = CHUNK
+    load_checkpoint(str(tmp_path / "ckpt"), other, other_opt)
+    assert_same_optim_state(other_opt.state_dict(), ref_opt.state_dict())
+    step_both(other, ref, other_opt, ref_opt, gen)
+    assert_same_params(other, ref)
+    assert_same_optim_state(other_opt.state_dict(), ref_opt.state_dict())
 
 
 def test_nothing_managed_is_torch_itself():
@@ -377,9 +435,14 @@ def test_failed_save_leaves_nothing(offload_root, tmp_path, monkeypatch):
     assert {f: open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(good) for f in fs} != before
     with pytest.raises(ZinfError, match="not a zinf checkpoint"):
         save_checkpoint(str(tmp_path / "a_file"), model, opt)
-    manifest = json.load(open(os.path.join(good, "manifest.json")))
+    version = open(os.path.join(good, "CURRENT")).read().split()[0]
+    manifest = json.load(open(os.path.join(good, version, "manifest.json")))
     manifest["world"] = 2
-    json.dump(manifest, open(os.path.join(good, "manifest.json"), "w"))
+    text = json.dumps(manifest).encode()
+    open(os.path.join(good, version, "manifest.json"), "wb").write(text)
+    with pytest.raises(ZinfError, match=r"manifest\.json' is damaged \(its checksum"):
+        load_checkpoint(good, model, opt)
+    open(os.path.join(good, "CURRENT"), "w").write(f"{version} {zlib.crc32(text)}\n")  # as if saved so
     with pytest.raises(ZinfError, match="saved by 2 process"):
         load_checkpoint(good, model, opt)
 
@@ -459,7 +522,7 @@ def run(request, reference, offload_root, tmp_path_factory):
     try:
         torch._dynamo.reset()
         a, ca, opt_a = zinf_mlp(tier, offload_root)
-        out = dict(tier=tier, losses=train(ca, opt_a, range(2)))
+        out = dict(tier=tier, losses=train(ca, opt_a, range(2)), ckpt=ckpt)
         save_checkpoint(ckpt, ca, opt_a)
         out["losses"] += train(ca, opt_a, range(2, 4))
         out["managed"] = {n: STORE.entry(p) is not None for n, p in a.named_parameters()}
@@ -501,7 +564,9 @@ def test_optimizer_state_dict_equals_torch(run, reference):
 
 
 def test_checkpoint_resume_is_exact(run, reference):
-    assert run["files"] == ["manifest.json", "optim.pt"] + [f"rank00000/t0000{i}.pt" for i in range(4)]
+    version = open(os.path.join(run["ckpt"], "CURRENT")).read().split()[0]
+    assert run["files"] == ["CURRENT"] + [f"{version}/{f}" for f in ["manifest.json", "optim.pt"]] + [
+        f"{version}/rank00000/t0000{i}.pt" for i in range(4)]
     for a, b in zip(run["resumed"], reference["losses"][2:], strict=True):
         assert torch.equal(a, b), (run["resumed"], reference["losses"][2:])
     for k, v in reference["params"].items():

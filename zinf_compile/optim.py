@@ -20,13 +20,27 @@ rebuilds rare -- in a normal run there is one, at the first step).
                         (`entry.shard`); each step hands them their gradient shards. Elementwise
                         optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) compute on the flat
                         shard exactly what they compute on the whole parameter.
-  managed, "nvme" tier  streamed (ZeRO-Infinity's pipelined optimizer swapper): Adam and AdamW only.
-                        Per parameter the flat shard is processed in chunks of `chunk_elems`; for
+  managed, "nvme" tier  streamed (ZeRO-Infinity's pipelined optimizer swapper). Any elementwise
+                        optimizer: per chunk of `chunk_elems` elements, the parameter, gradient and
+                        per-element states (momentum_buffer, sum, ...) are read from their files and
+                        stepped by an instance of the optimizer's own class over that chunk (its
+                        other states, e.g. step, kept in memory), then written back; one chunk at a
+                        time, not overlapped. Adam and AdamW take a faster path:
+                        per parameter the flat shard is processed in chunks of `chunk_elems`; for
                         each chunk the parameter, gradient and states are read from their files, the
                         chunk is stepped by torch's own functional Adam (`torch.optim.adam.adam`, the
                         path `torch.optim.AdamW.step` takes), and written back. The read of chunk i+1
                         and the write of chunk i-1 run in threads while chunk i computes: three chunk
                         buffers in memory, whatever the model's size.
+
+A step is all or nothing. The NVMe tier writes each record's new values (parameter, states) into
+the record's second file (its spare slot), never over the values it reads; only when every chunk of
+every parameter is written do the in-memory steps (resident parameters, CPU tier) run and the NVMe
+records switch slots (integer swaps), with SIGINT/SIGTERM held back until the switch is done. So
+an I/O error (a full disk) or Ctrl-C during a step leaves every parameter and state as the previous
+step left them; the error says so, and calling step() again continues bit-identically (the
+gradients are only read). The cost: the spare slots, one more shard-sized file per NVMe record
+(parameter and each state: 3 x the shard for Adam); no extra I/O.
 
 Hyperparameters are read from `param_groups` at each step, so the user or an LR scheduler may change
 them between steps (`ZinfOptimizer` is a `torch.optim.Optimizer` for the schedulers' sake).
@@ -36,6 +50,11 @@ parameters (or any without a gradient this step) are skipped, as torch does.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import signal
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -140,7 +159,8 @@ class _Layout:
 @dataclass
 class _NvmeState:
     step: int = 0  # steps taken (torch's state["step"]); 0: the states are zeros, never read
-    names: tuple = ()  # state files written
+    names: tuple = ()  # state files written (per-element states)
+    scalars: dict = field(default_factory=dict)  # other optimizers' other states (step, mu_product, ...)
 
 
 class ZinfOptimizer(torch.optim.Optimizer):
@@ -164,6 +184,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._nvme_state: dict[int, _NvmeState] = {}  # id(entry) -> its streamed state (entries are held by the layout)
         self._pending: list[Callable[[], None]] = []  # state loads waiting for the layout (checkpoint.py)
         self._pool: ThreadPoolExecutor | None = None
+        # id(entry) -> {"param" or a state name: fd}: each NVMe record's second slot, written by a
+        # step and switched to when the step is complete (the entry owns the files: file_nos)
+        self._spare: dict[int, dict[str, int]] = {}
         if chunk_elems is not None and (int(chunk_elems) <= 0 or int(chunk_elems) % _ALIGN_ELEMS):
             raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk_elems}")
         self.chunk_elems = chunk_elems  # None: from the budget its parameters were planned under
@@ -221,12 +244,23 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             self._push_hyper()
-            if lay.res_opt is not None:
-                lay.res_opt.step()
-            if lay.cpu_opt is not None:
-                self._cpu_step()
-            if lay.nvme:
-                self._nvme_step()
+            # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
+            # the old ones first; only when all are written do the in-memory steps run and the
+            # NVMe records switch slots, with Ctrl-C and SIGTERM held back until that is done.
+            work = self._nvme_prepare() if lay.nvme else []
+            if work:
+                self._nvme_step(work)
+            with _deferred_signals():
+                _point("step:commit")
+                try:
+                    if lay.res_opt is not None:
+                        lay.res_opt.step()
+                    if lay.cpu_opt is not None:
+                        self._cpu_step()
+                except BaseException:
+                    self._keep_spares(work)  # not an I/O error: torch's own, raised as it is
+                    raise
+                self._nvme_commit(work)
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -368,6 +402,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 opt.state.clear()
         keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
         self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
+        self._spare = {i: r for i, r in self._spare.items() if i in keep}
         for p, (form, st) in carried:
             try:
                 self._import_param_state(p, form, st)
@@ -432,12 +467,6 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _check_managed_class(self) -> None:
         lay = self._layout
-        if lay.nvme and self._cls not in _supported_nvme():
-            raise ZinfError(
-                f"zinf: {len(lay.nvme)} parameter(s) live in the NVMe tier (e.g. {lay.nvme[0][2].name!r}); "
-                f"zinf steps them by streaming their states through memory, which it implements for "
-                f"torch.optim.Adam and torch.optim.AdamW only, not {self._cls.__name__}. Use one of those, "
-                f"or offload='cpu' (any elementwise optimizer), or params='resident'.")
         if (lay.cpu or lay.nvme) and issubclass(self._cls, _whole_param_classes()):
             raise ZinfError(
                 f"zinf: {self._cls.__name__} needs whole parameters (its update is not elementwise), but "
@@ -470,7 +499,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if rec is None or rec.step == 0:
             return None
         g = self._plain.param_groups[self._layout.where[id(p)][2]]
-        st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
+        if self._fast():
+            st = {"step": torch.tensor(float(rec.step), dtype=_scalar_dtype(g.get("fused")))}
+        else:
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in rec.scalars.items()}
         for name in rec.names:
             buf = torch.empty(e.shard_numel, dtype=e.shard_dtype)
             e.engine.read_file(e.state_fd(name), buf)
@@ -512,6 +544,18 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, k)
                 out[k] = _cast_like(e.shard, k, v, group)
             lay.cpu_opt.state[e.shard] = out
+            return
+        if not self._fast():  # nvme, any other optimizer: per-element states to files, the rest to memory
+            names, scalars = [], {}
+            for k, v in st.items():
+                if _per_element(k, v):
+                    v = _full_to_shard(v, e) if form == "full" else self._check_shard(v, e, k)
+                    e.engine.write_file(e.state_fd(k), v.detach().to(device="cpu", dtype=e.shard_dtype).contiguous())
+                    names.append(k)
+                else:
+                    scalars[k] = _cast_like(e.shard if e.shard is not None else torch.empty(0, dtype=e.shard_dtype),
+                                            k, v, group)
+            self._nvme_state[id(e)] = _NvmeState(1 if st else 0, tuple(names), scalars)
             return
         # nvme: the states to their files, the step count to memory
         unknown = sorted(set(st) - {"step", *_NVME_STATES})
@@ -580,28 +624,49 @@ class ZinfOptimizer(torch.optim.Optimizer):
             self._pool = ThreadPoolExecutor(8, thread_name_prefix="zinf-optim")
         return self._pool
 
-    def _nvme_step(self) -> None:
-        """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
-        with the arithmetic (the read of chunk i+1, the write of chunk i-1)."""
-        chunk = self._chunk()
+    def _nvme_prepare(self) -> list["_Work"]:
+        """The NVMe tier's work of this step: each parameter with a gradient, its states, and the
+        files its new values go to (the spare slot of each record: never the files read)."""
         work = []
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:
                 continue
-            e.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
             g = self._plain.param_groups[gi]
             if g.get("differentiable") or g.get("capturable"):
                 raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
                                 "and capturable=True are not supported there")
             rec = self._nvme_state.get(id(e)) or _NvmeState()
+            if not self._fast():
+                fds = {n: e.state_fds[n] for n in rec.names} if rec.step else {}
+                work.append(_Work(e, g, rec.step, rec.names if rec.step else (), fds, e.engine, {},
+                                  scalars=rec.scalars if rec.step else None))
+                continue
             names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
             if rec.step and not set(names) <= set(rec.names):
                 raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
                                 "turned on after the first step?)")
-            fds = {n: e.state_fd(n) for n in names}  # made here, not in the I/O threads
-            work.append(_Work(e, g, rec.step, names, fds, e.engine))
-        if not work:
-            return
+            fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
+            work.append(_Work(e, g, rec.step, names, fds, e.engine, {}))
+        return work
+
+    def _nvme_step(self, work: list["_Work"]) -> None:
+        """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
+        with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
+        to the record's spare file, never over the one read: until `_nvme_commit` switches the
+        slots, the previous step's parameters and states are whole in their files. A failure
+        here leaves them (and everything else) as they were: nothing was applied."""
+        chunk = self._chunk()
+        try:
+            for w in work:
+                w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
+                for name in ("param",) + w.names:
+                    self._out_file(w, name)
+            if not self._fast():
+                self._generic_step(work, chunk)
+                return
+        except BaseException as err:
+            self._keep_spares(work)
+            raise self._nothing_applied(err) if isinstance(err, Exception) else err
         chunks = [(w, start, min(chunk, w.entry.shard_numel - start))
                   for w in work for start in range(0, w.entry.shard_numel, chunk)]
         width = max(w.entry.shard_dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
@@ -636,8 +701,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         def submit_write(i, v):
             w, start, n = chunks[i]
             off = start * w.entry.shard_dtype.itemsize
-            writes[i] = [pool.submit(w.engine.write_file, w.entry.fd, v["param"], off)] + [
-                pool.submit(w.engine.write_file, w.fds[name], v[name], off) for name in w.names]
+            writes[i] = [pool.submit(w.engine.write_file, w.out[name], v[name], off)
+                         for name in ("param",) + w.names]
 
         try:
             submit_read(0)
@@ -649,6 +714,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 w = chunks[i][0]
                 _adam_chunk(w, v)
                 submit_write(i, v)
+                _point("nvme-step:chunk-written")
             for i in sorted(writes):
                 _wait_all(writes.pop(i))
         except BaseException as err:
@@ -656,13 +722,119 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 _wait_all(futs, raise_=False)
             for futs in writes.values():
                 _wait_all(futs, raise_=False)
-            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves
+            self._keep_spares(work)
+            if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves (nothing applied either)
                 raise
-            what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
-            raise ZinfError(f"zinf: the NVMe-tier optimizer step failed ({what}); the parameters and states "
-                            "of this step are partly updated") from err
+            raise self._nothing_applied(err) from err
+
+    def _fast(self) -> bool:
+        """Adam and AdamW: the pipelined NVMe step (torch's functional adam on each chunk)."""
+        return self._cls in _supported_nvme()
+
+    def _out_file(self, w: "_Work", name: str) -> int:
+        """The file record `name` of w's parameter is written to this step: its spare slot."""
+        if name not in w.out:
+            spare = self._spare.setdefault(id(w.entry), {})
+            w.out[name] = spare.pop(name) if name in spare else w.entry._acquire()
+        return w.out[name]
+
+    def _generic_step(self, work: list["_Work"], chunk: int) -> None:
+        """Any other elementwise torch.optim optimizer over the NVMe tier: per chunk of each flat
+        shard, the parameter, gradient and per-element states are read, stepped by an instance of
+        the optimizer's own class over that chunk (its state set from the files and the record's
+        other states), and written to the spare slots. Not overlapped (Adam/AdamW are)."""
         for w in work:
-            self._nvme_state[id(w.entry)] = _NvmeState(w.step + 1, w.names)
+            e, dt = w.entry, w.entry.shard_dtype
+            names, scalars = None, None
+            for start in range(0, e.shard_numel, chunk):
+                n = min(chunk, e.shard_numel - start)
+                off = start * dt.itemsize
+                p = torch.empty(n, dtype=dt)
+                w.engine.read_file(e.fd, p, off)
+                grad = torch.empty(n, dtype=dt)
+                e.read_grad_into(grad, start)
+                st = {}
+                for name in w.names:
+                    st[name] = torch.empty(n, dtype=dt)
+                    w.engine.read_file(w.fds[name], st[name], off)
+                new = _generic_chunk(self._cls, self._kwargs, w.group, p, grad, st, w.scalars)
+                per = {k: v for k, v in new.items() if _per_element(k, v) and v.numel() == n}
+                if names is None:
+                    names, scalars = tuple(per), {k: v for k, v in new.items() if k not in per}
+                for k, v in ({"param": p} | per).items():
+                    w.engine.write_file(self._out_file(w, k), v.detach().contiguous(), off)
+                _point("nvme-step:chunk-written")
+            w.names, w.scalars = names or (), scalars or {}
+
+    def _keep_spares(self, work: list["_Work"]) -> None:
+        """After a failed step: the files written are spares again (the next attempt reuses them)."""
+        for w in work:
+            spare = self._spare.setdefault(id(w.entry), {})
+            spare.update(w.out)
+            w.out = {}
+
+    @staticmethod
+    def _nothing_applied(err: BaseException) -> ZinfError:
+        what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
+        return ZinfError(f"zinf: the optimizer step failed in the NVMe tier ({what}); nothing was applied: "
+                         "every parameter and optimizer state (resident ones too) is as it was before this "
+                         "step, and the gradients are kept. Free space (or fix the cause) and call step() "
+                         "again: training continues exactly as if this attempt had not happened")
+
+    def _nvme_commit(self, work: list["_Work"]) -> None:
+        """Switch each record to the slot the step wrote (and keep the old one as the spare).
+        Integer swaps only: it cannot fail half-way."""
+        for w in work:
+            e, spare = w.entry, self._spare.setdefault(id(w.entry), {})
+            spare["param"], e.fd = e.fd, w.out["param"]
+            for name in w.names:
+                old = e.state_fds.get(name)
+                e.state_fds[name] = w.out[name]
+                if old is not None:
+                    spare[name] = old
+            w.out = {}
+            self._nvme_state[id(e)] = _NvmeState(w.step + 1, w.names, w.scalars or {})
+
+
+# A test hook (tests/workers/): called with the name of a point of a step, e.g. to pause there
+# while the test kills the process. None in normal runs.
+FAULT_HOOK: Callable[[str], None] | None = None
+
+
+def _point(name: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(name)
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+    """Hold SIGINT and SIGTERM back for the block (the commit of a step: short, in memory) and
+    deliver them after it, to the handlers that were set. Only in the main thread (the only one
+    Python runs signal handlers in)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got, old = [], {}
+
+    def note(signum, frame):
+        got.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, note)
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in got:
+            handler = old.get(sig)
+            if callable(handler):
+                handler(sig, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
 
 
 @dataclass
@@ -671,8 +843,26 @@ class _Work:
     group: dict
     step: int
     names: tuple
-    fds: dict
+    fds: dict  # name -> the file the state is read from (the committed slot)
     engine: Any
+    out: dict  # "param" and state names -> the file the new values go to (the spare slot)
+    scalars: dict | None = None  # other optimizers: the states that are not per element (step, ...)
+
+
+def _generic_chunk(cls: type, kwargs: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, states: dict,
+                   scalars: dict | None) -> dict:
+    """One chunk stepped by `cls` itself: a fresh instance over the chunk as its one parameter,
+    with the group's hyperparameters and the chunk's states; returns its state after the step."""
+    hyper = {k: v for k, v in group.items() if k not in _FORWARD_KEYS}
+    p.grad = grad
+    opt = cls([dict(hyper, params=[p])], **kwargs)
+    if scalars is not None:  # a state from earlier steps (else: whatever the class starts with)
+        opt.state[p] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                           for k, v in scalars.items()}, **states}
+    with torch.no_grad():
+        opt.step()
+    p.grad = None
+    return dict(opt.state[p])
 
 
 def _wait_all(futs, raise_: bool = True) -> None:

@@ -89,6 +89,7 @@ class Entry:
     fd: int | None = None  # nvme tier: the shard's file
     grad: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
     grad_fd: int | None = None  # nvme tier
+    grad_spare_fd: int | None = None  # nvme tier: where an accumulated gradient is written, then switched to
     has_grad: bool = False
     # nvme tier: the flat [lo, hi) ranges of this step's gradient written so far, tile by tile
     # (empty: the whole file is this step's gradient when has_grad)
@@ -327,9 +328,12 @@ class Entry:
         if self.tier == "cpu":
             self.grad = flat
         else:
-            if self.grad_fd is None:
-                self.grad_fd = self._acquire()
-            self.engine.write_file(self.grad_fd, flat.contiguous())
+            fd = self.grad_fd = self._acquire() if self.grad_fd is None else self.grad_fd
+            if self.has_grad:  # the gradient held survives a failed write: the sum goes beside it
+                fd = self.grad_spare_fd = self._acquire() if self.grad_spare_fd is None else self.grad_spare_fd
+            self.engine.write_file(fd, flat.contiguous())
+            if fd != self.grad_fd:
+                self.grad_spare_fd, self.grad_fd = self.grad_fd, fd
         self.grad_parts.clear()
         self.grad_scales.clear()
         self.has_grad = True
@@ -354,7 +358,7 @@ class Entry:
             for n in self.file_nos:
                 swap.release(n)
         self.file_nos.clear()
-        self.fd = self.grad_fd = None
+        self.fd = self.grad_fd = self.grad_spare_fd = None
         self.source, self.base = None, 0  # the source file's descriptor is shared (ParamStore.source_fd)
         self.state_fds.clear()
 
@@ -369,6 +373,7 @@ class ParamStore:
         self._keys: dict[int, int] = {}  # pid -> storage key (changes when manage swaps a storage)
         self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
         self._lock = threading.RLock()
+        self._forgotten: list[int] = []  # parameters that died while the lock was busy (_forget_id)
         self._fetches: dict[int, tuple] = {}  # ticket -> (entry, host buffer or None, futures)
         self._tickets = itertools.count(1)
         self._sources: dict[str, int] = {}  # a file read in place -> its read-only descriptor (process-long)
@@ -380,6 +385,7 @@ class ParamStore:
     def identify(self, param: torch.Tensor, name: str) -> int:
         """A stable id for `param` (its storage), given on first sight."""
         with self._lock:
+            self._drain()
             k = _key(param)
             pid = self._ids.get(k)
             if pid is None:
@@ -392,19 +398,33 @@ class ParamStore:
             return pid
 
     def _forget_id(self, pid: int) -> None:
-        with self._lock:
+        # A finalizer runs inside some thread's garbage collection, maybe a thread the lock's holder
+        # waits for (an I/O thread being started while `manage` writes a shard): it never waits for
+        # the lock (that deadlocked); a busy lock's holder forgets the parameter (`_drain`).
+        self._forgotten.append(pid)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Forget the parameters that died (with the lock held)."""
+        while self._forgotten:
+            pid = self._forgotten.pop()
             k = self._keys.pop(pid, None)
             if k is not None and self._ids.get(k) == pid:
                 del self._ids[k]
             e = self._entries.pop(pid, None)
-        if e is not None:
-            e.close_files()
+            if e is not None:
+                e.close_files()
 
     def pid(self, t: torch.Tensor) -> int | None:
-        return self._ids.get(_key(t))
+        pid = self._ids.get(_key(t))
+        return None if self._forgotten and pid in self._forgotten else pid  # a dead one's storage reused
 
     def entry(self, t: torch.Tensor) -> Entry | None:
-        pid = self._ids.get(_key(t))
+        pid = self.pid(t)
         return None if pid is None else self._entries.get(pid)
 
     def entry_by_id(self, pid: int) -> Entry | None:
@@ -423,6 +443,7 @@ class ParamStore:
         data (zinf_compile.loading: a parameter born without storage, its value read from a file;
         on one rank it is written as it is, no padded copy)."""
         with self._lock:
+            self._drain()
             e = self._entries.get(pid)
             if e is not None:
                 return e
