@@ -190,6 +190,8 @@ class OffloadEngine:
         """Start bringing the tensor behind `h` back to `device`; returns a new handle."""
         source = self.ticket_of(h)
         stored = self._stored_of(h)
+        if stored.fd is not None:
+            self.check_size(stored.fd, 0, stored.nbytes)
         pending = PendingRead(dest=torch.empty(stored.shape, dtype=stored.dtype, device=device))
         # The read holds the stored tensor (and its swap file) until it is done: Inductor frees
         # the handle right after this op, and a later offload must not reuse the file mid-read.
@@ -330,14 +332,36 @@ class OffloadEngine:
     def _read_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         if n == 0:
             return
-        if self._swap is not None and self._swap.o_direct:
-            pos = base + off
-            lead = pos % ALIGN
-            buf = _aligned(_round_up(lead + n, ALIGN))
-            _pread_all(fd, memoryview(buf), pos - lead)
-            view[off:off + n] = buf[lead:lead + n]
-            return
-        _pread_all(fd, memoryview(view[off:off + n]), base + off)
+        try:
+            if self._swap is not None and self._swap.o_direct:
+                pos = base + off
+                lead = pos % ALIGN
+                buf = _aligned(_round_up(lead + n, ALIGN))
+                _pread_all(fd, memoryview(buf), pos - lead, upto_eof=True)  # the size was checked
+                view[off:off + n] = buf[lead:lead + n]
+                return
+            _pread_all(fd, memoryview(view[off:off + n]), base + off)
+        except _EndOfFile:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} ended before byte {base + off + n}: it was "
+                            "truncated while in use; its data are lost") from None
+        except OSError as e:
+            raise ZinfError(f"zinf: reading the swap file {self.describe(fd)} failed: {e.strerror or e}") from None
+
+    def describe(self, fd: int) -> str:
+        """The file behind fd and what it holds, for error messages."""
+        return self._swap.describe(fd) if self._swap is not None else f"fd {fd}"
+
+    def check_size(self, fd: int, offset: int, nbytes: int) -> None:
+        """Raise a ZinfError naming the file (and the parameter it holds) unless it has bytes
+        [offset, offset + nbytes): a truncated file must never reach a mapping (SIGBUS) or be read
+        as zeros."""
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} cannot be read: {e.strerror or e}") from None
+        if size < offset + nbytes:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} holds {size} bytes, {offset + nbytes} expected: "
+                            "it was truncated (by another process or a full disk?); its data are lost")
 
     # -- whole files, for the parameter store and the optimizer ----------------------------------
     def write_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
@@ -351,6 +375,7 @@ class OffloadEngine:
 
     def submit_read(self, fd: int, t: torch.Tensor, offset: int = 0) -> list[Future]:
         """Start reading the file from `offset` into t; the futures complete the read."""
+        self.check_size(fd, offset, t.numel() * t.element_size())
         self.stats["bytes_read"] += t.numel() * t.element_size()
         return self._submit_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
 
@@ -370,6 +395,7 @@ class OffloadEngine:
         self.stats["bytes_read"] += nbytes
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
+        self.check_size(fd, offset, nbytes)  # a mapping past the file's end is a SIGBUS when read
         lead = offset % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, lead + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                        offset=offset - lead)
@@ -380,6 +406,7 @@ class OffloadEngine:
 
     def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
         """The file's bytes from `offset` into t (contiguous, on the CPU)."""
+        self.check_size(fd, offset, t.numel() * t.element_size())
         self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_read"] += t.numel() * t.element_size()
 
@@ -434,5 +461,9 @@ def _pread_all(fd: int, mv: memoryview, off: int, upto_eof: bool = False) -> Non
             if upto_eof:
                 mv[:] = bytes(len(mv))
                 return
-            raise ZinfError("zinf: swap file ended early (was it removed or truncated?)")
+            raise _EndOfFile()
         mv, off = mv[got:], off + got
+
+
+class _EndOfFile(Exception):
+    """A read met the file's end: the caller names the file."""

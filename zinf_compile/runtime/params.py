@@ -212,7 +212,7 @@ class Entry:
             self.shard.copy_(flat)
         else:
             if self.fd is None:
-                self.fd = self._acquire()
+                self.fd = self._acquire("shard")
             self.engine.write_file(self.fd, flat.contiguous())
 
     def read_grad(self) -> torch.Tensor | None:
@@ -271,7 +271,7 @@ class Entry:
                 self.has_grad = True
                 return
             if self.grad_fd is None:
-                self.grad_fd = self._acquire()
+                self.grad_fd = self._acquire("gradient")
             off = lo * self.shard_dtype.itemsize
             if self.has_grad and (lo, hi) not in self.grad_parts:
                 if any(a < hi and lo < b for a, b in self.grad_parts):
@@ -306,7 +306,7 @@ class Entry:
             self.grad = flat
         else:
             if self.grad_fd is None:
-                self.grad_fd = self._acquire()
+                self.grad_fd = self._acquire("gradient")
             self.engine.write_file(self.grad_fd, flat.contiguous())
         self.grad_parts.clear()
         self.grad_scales.clear()
@@ -314,11 +314,11 @@ class Entry:
 
     def state_fd(self, name: str) -> int:
         if name not in self.state_fds:
-            self.state_fds[name] = self._acquire()
+            self.state_fds[name] = self._acquire(f"optimizer state {name!r}")
         return self.state_fds[name]
 
-    def _acquire(self) -> int:
-        n, fd = self.engine.swap.acquire()
+    def _acquire(self, what: str) -> int:
+        n, fd = self.engine.swap.acquire(f"{what} of parameter {self.name!r}")
         self.file_nos.append(n)
         return fd
 
