@@ -37,7 +37,7 @@ def llama_nvme(offload_root):
 
 def _entry(model, name):
     p = dict(model.named_parameters())[name]
-    e = next(e for e in STORE.entries() if e.name.endswith(name))
+    e = STORE.entry(p)
     assert STORE.is_managed(p) and e.fd is not None
     return e
 
@@ -83,5 +83,90 @@ def test_engine_reads_of_a_truncated_file_name_it(tmp_path):
         with pytest.raises(ZinfError, match="cannot be read"):
             e.read_file(fd, torch.empty(10))
         e.swap._fds.clear()
+    finally:
+        e.close()
+
+
+def _is_direct(fd: int) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_auto_goes_direct_when_the_files_outgrow_the_page_cache(llama_nvme, offload_root):
+    """o_direct="auto" (the default) with facts saying the swap files outgrow the page cache: the
+    shard files are opened O_DIRECT, gathers read them into page-aligned buffers (no mapping),
+    the plan times reads at the direct bandwidth, and the logits equal the buffered run's."""
+    from zinf_compile import backend
+    from zinf_compile.cost import BUILTIN
+
+    model0, _, batch, ref = llama_nvme
+    torch.manual_seed(0)
+    model = hf_model("llama").eval()
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "diskio-direct")}
+    with pytest.MonkeyPatch.context() as mp:
+        facts = []
+        real = backend._file_facts
+
+        def tiny_cache(*a):
+            facts.append(real(*a))
+            return facts[-1][0], facts[-1][0] - 1  # one byte too few
+        mp.setattr(backend, "_file_facts", tiny_cache)
+        cm = torch.compile(model, backend="zinf", options=opts)
+        with torch.no_grad():
+            out = cm(**batch).logits
+    assert facts and facts[0][0] == sum(p.numel() * 4 for p in model.parameters())  # no_grad: no states
+    name = "model.layers.1.mlp.up_proj.weight"
+    e = _entry(model, name)
+    assert e.engine.direct and _is_direct(e.fd) and not e.maps
+    assert not _is_direct(_entry(model0, name).fd)  # the first model's files: buffered, mapped
+    assert torch.equal(out, ref)
+    plan = [p for p in zinf_compile.last_plans() if p.params][-1]
+    assert plan.predicted_stall_s >= 0
+    assert BUILTIN["cpu"].seen_by(True).nvme_read_bw == BUILTIN["cpu"].nvme_direct_read_bw
+    assert BUILTIN["cpu"].seen_by(False) is BUILTIN["cpu"]
+
+
+def test_direct_io_decision():
+    from zinf_compile.planner import direct_io
+
+    assert direct_io(True, 0, 10) and not direct_io(False, 10, 0)
+    assert direct_io("auto", 11, 10) and not direct_io("auto", 10, 10)
+
+
+def test_direct_reads_and_writes_at_any_offset(tmp_path, monkeypatch):
+    """O_DIRECT files: whole pages of a page-aligned buffer move without a copy; any other offset
+    or length (tiles of a parameter, odd tails) goes through an aligned buffer, keeping the bytes
+    around it."""
+    e = eng_mod.OffloadEngine(424250, "nvme", str(tmp_path), 4, "auto")
+    try:
+        assert not e.direct
+        assert e.choose_direct(True)
+        if not e.direct:
+            pytest.fail(f"{tmp_path} refuses O_DIRECT")
+        _, fd = e.swap.acquire("probe")
+        assert _is_direct(fd)
+        assert e.choose_direct(False)  # a file exists: the choice stays
+        bounced = []
+        real = eng_mod._aligned
+        monkeypatch.setattr(eng_mod, "_aligned", lambda n: bounced.append(n) or real(n))
+        whole = e.host_empty(3 * (eng_mod.CHUNK_BYTES // 4) + 1024, torch.float32)  # pages, several chunks
+        assert whole.data_ptr() % eng_mod.ALIGN == 0
+        whole.copy_(torch.randn(whole.numel()))
+        e.write_file(fd, whole)
+        back = e.host_empty(whole.numel(), torch.float32)
+        e.read_file(fd, back)
+        assert torch.equal(back, whole) and not bounced
+        part = torch.randn(1001)  # at an odd offset, unaligned memory, odd length
+        e.write_file(fd, part, offset=4 * 777)
+        expect = whole.clone()
+        expect[777:777 + 1001] = part
+        e.read_file(fd, back)
+        assert torch.equal(back, expect) and bounced
+        got = torch.empty(1001)
+        e.read_file(fd, got, offset=4 * 777)
+        assert torch.equal(got, part)
+        x = torch.randn(37, 129)
+        assert torch.equal(e.wait(e.prefetch(e.offload(x, [1, 0]), x.device), x.device, [1, 0]), x)
     finally:
         e.close()

@@ -103,8 +103,16 @@ class OffloadEngine:
     @property
     def swap(self) -> SwapDir:
         if self._swap is None:
-            self._swap = SwapDir(self.offload_dir, self.o_direct_requested)
+            self._swap = SwapDir(self.offload_dir, self.o_direct_requested is True)
         return self._swap
+
+    def choose_direct(self, direct: bool) -> bool:
+        """Apply a compile's choice of O_DIRECT (planner.direct_io) where the option left it to
+        zinf ("auto") and no swap file exists yet (a file keeps the flags it was opened with: the
+        first compile that writes decides). Returns whether the engine's files are O_DIRECT."""
+        if self.o_direct_requested == "auto" and self.tier == "nvme" and self.swap.file_count() == 0:
+            self.swap.o_direct = bool(direct) and self.swap._supports_o_direct()
+        return self.direct
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -165,7 +173,11 @@ class OffloadEngine:
     # -- the three operations -----------------------------------------------------------------
     def offload(self, x: torch.Tensor, dim_order: list[int]) -> torch.Tensor:
         """Send `x` to the tier; returns its handle. `x` is laid out in `dim_order` first."""
-        data = x.permute(dim_order).contiguous()
+        if self.direct and x.device.type == "cpu":  # one copy, onto whole pages: no bounce in the write
+            data = aligned_empty(x.numel(), x.dtype).view([x.shape[d] for d in dim_order])
+            data.copy_(x.permute(dim_order))
+        else:
+            data = x.permute(dim_order).contiguous()
         stored = Stored(tuple(data.shape), data.dtype, data.numel() * data.element_size())
         if self.tier == "cpu":
             # a copy even on a CPU device: Inductor may reuse x's buffer once this op returns
@@ -192,7 +204,11 @@ class OffloadEngine:
         stored = self._stored_of(h)
         if stored.fd is not None:
             self.check_size(stored.fd, 0, stored.nbytes)
-        pending = PendingRead(dest=torch.empty(stored.shape, dtype=stored.dtype, device=device))
+        if device.type == "cpu" and self.tier == "nvme":
+            dest = self.host_empty(math.prod(stored.shape), stored.dtype).view(stored.shape)
+        else:
+            dest = torch.empty(stored.shape, dtype=stored.dtype, device=device)
+        pending = PendingRead(dest=dest)
         # The read holds the stored tensor (and its swap file) until it is done: Inductor frees
         # the handle right after this op, and a later offload must not reuse the file mid-read.
         with self._lock:
@@ -311,34 +327,47 @@ class OffloadEngine:
         """Bytes [off, off+n) of `view` to the file at base+off."""
         if n == 0:
             return
-        if self._swap is not None and self._swap.o_direct:
-            pos = base + off
-            lead = pos % ALIGN  # a tile of a parameter starts anywhere: rewrite its boundary pages
-            padded = _round_up(lead + n, ALIGN)
-            buf = _aligned(padded)
-            if lead or (lead + n) % ALIGN:
-                _pread_all(fd, memoryview(buf[:ALIGN]), pos - lead, upto_eof=True)
-                _pread_all(fd, memoryview(buf[padded - ALIGN:]), pos - lead + padded - ALIGN, upto_eof=True)
-            buf[lead:lead + n] = view[off:off + n]
-            _pwrite_all(fd, memoryview(buf), pos - lead)
-            return
         try:
+            if self._swap is not None and self._swap.o_direct:
+                body = _direct_body(view, off, n, base)
+                if body:  # straight from the tensor's pages
+                    _pwrite_all(fd, memoryview(view[off:off + body]), base + off)
+                if body < n:
+                    self._write_bounced(fd, view, off + body, n - body, base)
+                return
             _pwrite_all(fd, memoryview(view[off:off + n]), base + off)
         except OSError as e:
             raise ZinfError(
-                f"zinf: writing {n} bytes to the NVMe swap folder {self._swap.path!r} failed: {e.strerror}"
+                f"zinf: writing {n} bytes to the swap file {self.describe(fd)} failed: {e.strerror or e}"
             ) from None
+
+    def _write_bounced(self, fd: int, view, off: int, n: int, base: int) -> None:
+        """An O_DIRECT write of bytes that do not start or end on a page: through an aligned buffer,
+        the boundary pages read back first (a tile of a parameter starts anywhere)."""
+        pos = base + off
+        lead = pos % ALIGN
+        padded = _round_up(lead + n, ALIGN)
+        buf = _aligned(padded)
+        if lead or (lead + n) % ALIGN:
+            _pread_all(fd, memoryview(buf[:ALIGN]), pos - lead, upto_eof=True)
+            _pread_all(fd, memoryview(buf[padded - ALIGN:]), pos - lead + padded - ALIGN, upto_eof=True)
+        buf[lead:lead + n] = view[off:off + n]
+        _pwrite_all(fd, memoryview(buf), pos - lead)
 
     def _read_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         if n == 0:
             return
         try:
             if self._swap is not None and self._swap.o_direct:
-                pos = base + off
-                lead = pos % ALIGN
-                buf = _aligned(_round_up(lead + n, ALIGN))
-                _pread_all(fd, memoryview(buf), pos - lead, upto_eof=True)  # the size was checked
-                view[off:off + n] = buf[lead:lead + n]
+                body = _direct_body(view, off, n, base)
+                if body:  # straight into the tensor's pages: no copy
+                    _pread_all(fd, memoryview(view[off:off + body]), base + off)
+                if body < n:  # through an aligned buffer (the size was checked: zeros past the end are padding)
+                    pos = base + off + body
+                    lead = pos % ALIGN
+                    buf = _aligned(_round_up(lead + n - body, ALIGN))
+                    _pread_all(fd, memoryview(buf), pos - lead, upto_eof=True)
+                    view[off + body:off + n] = buf[lead:lead + n - body]
                 return
             _pread_all(fd, memoryview(view[off:off + n]), base + off)
         except _EndOfFile:
@@ -378,6 +407,17 @@ class OffloadEngine:
         self.check_size(fd, offset, t.numel() * t.element_size())
         self.stats["bytes_read"] += t.numel() * t.element_size()
         return self._submit_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the swap files are read and written with O_DIRECT."""
+        return self._swap is not None and self._swap.o_direct
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+        """A flat host buffer for this engine's reads: on whole pages where they are O_DIRECT."""
+        if self.direct:
+            return aligned_empty(numel, dtype, pin_memory)
+        return torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
 
     def can_map(self) -> bool:
         """Whether map_file serves reads: buffered files (O_DIRECT bypasses the page cache a
@@ -425,6 +465,26 @@ def _when_all_done(futures: list[Future], fn) -> None:
 
     for f in futures:
         f.add_done_callback(one_done)
+
+
+def _direct_body(view, off: int, n: int, base: int) -> int:
+    """How many of bytes [off, off+n) of `view` an O_DIRECT request can move in place: the whole
+    pages from the start, when the file position and the memory address both fall on a page (0
+    otherwise: the bytes go through an aligned buffer)."""
+    if (base + off) % ALIGN or (view.ctypes.data + off) % ALIGN:
+        return 0
+    return n - n % ALIGN
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """An empty flat CPU tensor whose data start on a page: O_DIRECT reads and writes reach it
+    without a copy (pinned memory is page-aligned already)."""
+    if pin_memory:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift:shift + nbytes].view(dtype)
 
 
 def _round_up(n: int, m: int) -> int:

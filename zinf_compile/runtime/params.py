@@ -181,8 +181,7 @@ class Entry:
 
     # -- the shard's bytes, wherever they live --------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.empty(self.shard_numel, dtype=self.shard_dtype, pin_memory=pin)
+        return self.engine.host_empty(self.shard_numel, self.shard_dtype, pin_memory=self.device.type == "cuda")
 
     @property
     def maps(self) -> bool:
