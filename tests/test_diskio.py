@@ -170,3 +170,12 @@ def test_direct_reads_and_writes_at_any_offset(tmp_path, monkeypatch):
         assert torch.equal(e.wait(e.prefetch(e.offload(x, [1, 0]), x.device), x.device, [1, 0]), x)
     finally:
         e.close()
+
+
+def test_calibrate_measures_buffered_and_direct_reads(tmp_path):
+    from zinf_compile.calibrate import disk_bandwidths
+
+    bw = disk_bandwidths(str(tmp_path), mib=8)
+    assert set(bw) == {"buffered_write", "buffered_read_warm", "buffered_read_cold", "direct_read", "direct_write"}
+    assert all(v is not None and v > 1e6 for v in bw.values()), bw
+    assert os.listdir(tmp_path) == []
