@@ -179,3 +179,21 @@ def test_calibrate_measures_buffered_and_direct_reads(tmp_path):
     assert set(bw) == {"buffered_write", "buffered_read_warm", "buffered_read_cold", "direct_read", "direct_write"}
     assert all(v is not None and v > 1e6 for v in bw.values()), bw
     assert os.listdir(tmp_path) == []
+
+
+def test_cold_regime_drops_the_page_cache_before_each_timed_step(monkeypatch):
+    from bench import _harness
+
+    events = []
+    monkeypatch.setattr(_harness, "drop_caches", lambda: events.append("drop") or True)
+    monkeypatch.setenv(_harness.COLD_ENV, "1")
+    _harness.measure_steps(lambda: events.append("step") or 0.0, warmup=1, steps=2)
+    assert events == ["step", "drop", "step", "drop", "step"]
+    events.clear()
+    monkeypatch.setenv(_harness.COLD_ENV, "0")
+    _harness.measure_steps(lambda: events.append("step") or 0.0, warmup=1, steps=2)
+    assert events == ["step"] * 3
+    monkeypatch.setattr(_harness, "drop_caches", lambda: False)  # not root
+    monkeypatch.setenv(_harness.COLD_ENV, "1")
+    with pytest.raises(SystemExit, match="needs root"):
+        _harness.measure_steps(lambda: 0.0, warmup=0, steps=1)
