@@ -258,7 +258,7 @@ def _table(summary, checks, weights, budget, bw, regime="warm") -> str:
         d = s["logits_max_diff_vs_eager"]
         lines.append(f"{n:18} {s['forward_s']:>9.2f} {s['peak_over_base_max'] / MiB:>14.0f} "
                      f"{s['held_median'] / MiB:>9.0f} {s['growth_max'] / MiB:>11.0f} "
-                     f"{s['read_per_forward'] / MiB:>13.0f} {d if d is None else f'{d:.1e}':>11}")
+                     f"{s['read_per_forward'] / MiB:>13.0f} {'-' if d is None else f'{d:.1e}':>11}")
     for k in [n.replace("-", "_") for n in summary if n.startswith("zinf")]:
         if f"{k}_bound_s" in checks:
             lines.append(f"{k}: bound max(compute {checks['compute_s']:.2f} s, transfer {checks[k + '_transfer_s']:.2f} "
