@@ -179,6 +179,11 @@ def engine_bytes() -> dict:
     return out
 
 
+# set (to "1") in a benchmark's environment: measure_steps drops the page cache before each timed
+# step, so the workers of benchmarks that share a parent (bench params) run cold without new options
+COLD_ENV = "ZINF_BENCH_COLD"
+
+
 def measure_steps(step, warmup: int, steps: int, meter: Meter | None = None) -> dict:
     """Run step() `warmup` times, then (memory read and its peak reset: `meter`, VmRSS by default)
     `steps` times timed. Returns the losses step() returned (a float: it waits for the device), the
@@ -192,7 +197,10 @@ def measure_steps(step, warmup: int, steps: int, meter: Meter | None = None) -> 
         warm.append(time.perf_counter() - t0)
     engines = engine_bytes()
     after_warmup = meter.baseline()
+    cold = os.environ.get(COLD_ENV) == "1"
     for _ in range(steps):
+        if cold and not drop_caches():
+            raise SystemExit("the cold regime drops the page cache before each step: it needs root")
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)

@@ -31,7 +31,7 @@ from zinf_compile import records
 from zinf_compile.config import ZinfConfig
 from zinf_compile.errors import BudgetError, ZinfError, eager_fallback_refusal
 from zinf_compile.ir import output_node
-from zinf_compile.planner import PERSIST_BYTES, DeviceModel
+from zinf_compile.planner import PERSIST_BYTES, DeviceModel, direct_io
 from zinf_compile.runtime.state import RUNTIME, get_engine, register_engine
 
 PLANNED = "zinf_planned"  # output-node meta: this graph was planned by the partitioner
@@ -96,7 +96,9 @@ class Session:
             budget = _shared_default_budget(device, n_world)  # every rank must make the same plan
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
-        register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
+        engine = register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
+        if tier == "nvme":
+            engine.choose_direct(direct_io(cfg.o_direct, *_file_facts(device, cfg.budget, params)))
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
             _pin_mmap_threshold(cfg.malloc_mmap_threshold)
         group = None
@@ -118,8 +120,9 @@ class Session:
                                                     info.requires_grad, self.engine_key, self.cfg.master_dtype),
                        info.managed) for n, info in cands)
         allreduce = tuple(primals.index(n) for n, info in resident if info.requires_grad) if self.world > 1 else ()
+        direct = self.tier == "nvme" and self.engine.direct  # the reads the plan times: as the run does them
         return Request(
-            profile=load_profile(self.cfg.profile, self.device), model=model,
+            profile=load_profile(self.cfg.profile, self.device).seen_by(direct), model=model,
             budget=None if self.cfg.budget_fraction is not None else self.budget,
             budget_fraction=self.cfg.budget_fraction, params_mode=self.cfg.params, candidates=metas,
             allreduce=allreduce, group=self.group, tiling=self.cfg.tiling, max_tile_bytes=self.cfg.max_tile_bytes,
@@ -137,7 +140,8 @@ class Session:
         profile = json.dumps(load_profile(self.cfg.profile, self.device).to_json(), sort_keys=True)
         digest = hashlib.sha256(profile.encode()).hexdigest()[:16]
         params = hashlib.sha256(repr(self.params).encode()).hexdigest()[:16]
-        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}-{digest}-{params}"
+        direct = int(self.tier == "nvme" and self.engine.direct)
+        return f"zinf-{_source_hash()}-{self.cfg.key()}-{self.budget}-{self.device}-{digest}-{params}-{direct}"
 
 
 class ZinfPartitioner(CustomPartitionerFn):
@@ -397,6 +401,20 @@ def _free_device_memory(device: str) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def _file_facts(device: str, budget: int | None, params: tuple[ParamInfo, ...]) -> tuple[int, int]:
+    """(bytes the run may keep in swap files, page cache free for them), for planner.direct_io:
+    the parameters, and when training their gradients and two optimizer states; the memory
+    available now, less a budget given where the graphs compute in it (a CPU device; the default
+    budget, all that is free, is a ceiling the graphs do not fill)."""
+    import psutil
+
+    nbytes = sum(p.nbytes for p in params)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        nbytes *= 4
+    room = int(psutil.virtual_memory().available) - ((budget or 0) if device == "cpu" else 0)
+    return nbytes, max(room, 0)
 
 
 def _graph_device(example_inputs) -> str:

@@ -28,7 +28,8 @@ class ZinfConfig:
     offload_dir: str = ""  # where NVMe swap files go; a per-process folder is made inside
     profile: str = "auto"  # DeviceProfile name or JSON path; "auto" = calibrated file, else built-in
     io_threads: int = 4
-    o_direct: bool = False
+    # O_DIRECT swap files: True, False, or "auto" (direct when the files outgrow the page cache)
+    o_direct: bool | str = "auto"
     verify: bool = True  # run the verifier after every pass
     # On a CPU device, glibc keeps freed tensors resident once its dynamic mmap threshold has
     # grown (bench/ measured 88-208 MiB over a 64 MiB budget): zinf pins the threshold so large
@@ -96,7 +97,10 @@ class ZinfConfig:
         io_threads = options.get("io_threads", 4)
         if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
             raise ZinfConfigError(f"io_threads: expected a positive int, got {io_threads!r}")
-        for flag in ("o_direct", "verify", "cache"):
+        o_direct = options.get("o_direct", "auto")
+        if not (isinstance(o_direct, bool) or o_direct == "auto"):
+            raise ZinfConfigError(f"o_direct: expected True, False or 'auto', got {options['o_direct']!r}")
+        for flag in ("verify", "cache"):
             if flag in options and not isinstance(options[flag], bool):
                 raise ZinfConfigError(f"{flag}: expected True or False, got {options[flag]!r}")
         mmap_threshold = options.get("malloc_mmap_threshold", 128 << 10)
@@ -130,7 +134,7 @@ class ZinfConfig:
             offload_dir=os.path.abspath(os.fspath(offload_dir)),
             profile=profile,
             io_threads=io_threads,
-            o_direct=bool(options.get("o_direct", False)),
+            o_direct=o_direct,
             verify=bool(options.get("verify", True)),
             malloc_mmap_threshold=int(mmap_threshold or 0),
             cache=bool(options.get("cache", False)),

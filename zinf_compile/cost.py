@@ -27,6 +27,7 @@ class DeviceProfile:
     nvme_read_bw: float  # host <- NVMe bytes/s
     nvme_write_bw: float
     collective_bw: float  # bytes/s per rank for all-gather / reduce-scatter
+    nvme_direct_read_bw: float = 0.0  # host <- NVMe with O_DIRECT, past the page cache (0: nvme_read_bw)
 
     def transfer_time(self, nbytes: int, tier: str, direction: str) -> float:
         """Seconds to move nbytes between the device and `tier` ("out" to it, "in" from it)."""
@@ -38,17 +39,25 @@ class DeviceProfile:
             t += nbytes / (self.d2h_bw if direction == "out" else self.h2d_bw)
         return t
 
+    def seen_by(self, direct_io: bool) -> "DeviceProfile":
+        """This profile as a run whose swap files are O_DIRECT (or not) sees it: one read
+        bandwidth for every NVMe read the plan times."""
+        if not direct_io or not self.nvme_direct_read_bw:
+            return self
+        return dataclasses.replace(self, nvme_read_bw=self.nvme_direct_read_bw)
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
 BUILTIN = {
     # a 2-core cloud VM like the CI machine; `zinf calibrate` replaces it with measured numbers
-    "cpu": DeviceProfile("cpu", "cpu", 24 * 2**30, 50e9, 8 * GB, 8 * GB, 8 * GB, 1.5 * GB, 1.0 * GB, 5 * GB),
+    "cpu": DeviceProfile("cpu", "cpu", 24 * 2**30, 50e9, 8 * GB, 8 * GB, 8 * GB, 1.5 * GB, 1.0 * GB, 5 * GB, 0.9 * GB),
     # datasheet figures (fp32 non-tensor-core rate; PCIe 5 x16 ~ 50 GB/s achieved; one Gen4 NVMe)
     "h100-80gb": DeviceProfile("h100-80gb", "cuda", 80 * GB, 67e12, 3.35e12, 50 * GB, 50 * GB,
-                               6.5 * GB, 5 * GB, 200 * GB),
-    "h200": DeviceProfile("h200", "cuda", 141 * GB, 67e12, 4.8e12, 50 * GB, 50 * GB, 6.5 * GB, 5 * GB, 200 * GB),
+                               6.5 * GB, 5 * GB, 200 * GB, 6.5 * GB),
+    "h200": DeviceProfile("h200", "cuda", 141 * GB, 67e12, 4.8e12, 50 * GB, 50 * GB, 6.5 * GB, 5 * GB, 200 * GB,
+                          6.5 * GB),
 }
 
 CALIBRATED_PATH = os.path.join(os.path.expanduser("~"), ".cache", "zinf", "profile-local.json")

@@ -735,7 +735,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         """The file record `name` of w's parameter is written to this step: its spare slot."""
         if name not in w.out:
             spare = self._spare.setdefault(id(w.entry), {})
-            w.out[name] = spare.pop(name) if name in spare else w.entry._acquire()
+            what = "shard" if name == "param" else f"optimizer state {name!r}"
+            w.out[name] = spare.pop(name) if name in spare else w.entry._acquire(what)
         return w.out[name]
 
     def _generic_step(self, work: list["_Work"], chunk: int) -> None:

@@ -103,8 +103,16 @@ class OffloadEngine:
     @property
     def swap(self) -> SwapDir:
         if self._swap is None:
-            self._swap = SwapDir(self.offload_dir, self.o_direct_requested)
+            self._swap = SwapDir(self.offload_dir, self.o_direct_requested is True)
         return self._swap
+
+    def choose_direct(self, direct: bool) -> bool:
+        """Apply a compile's choice of O_DIRECT (planner.direct_io) where the option left it to
+        zinf ("auto") and no swap file exists yet (a file keeps the flags it was opened with: the
+        first compile that writes decides). Returns whether the engine's files are O_DIRECT."""
+        if self.o_direct_requested == "auto" and self.tier == "nvme" and self.swap.file_count() == 0:
+            self.swap.o_direct = bool(direct) and self.swap._supports_o_direct()
+        return self.direct
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -165,7 +173,11 @@ class OffloadEngine:
     # -- the three operations -----------------------------------------------------------------
     def offload(self, x: torch.Tensor, dim_order: list[int]) -> torch.Tensor:
         """Send `x` to the tier; returns its handle. `x` is laid out in `dim_order` first."""
-        data = x.permute(dim_order).contiguous()
+        if self.direct and x.device.type == "cpu":  # one copy, onto whole pages: no bounce in the write
+            data = aligned_empty(x.numel(), x.dtype).view([x.shape[d] for d in dim_order])
+            data.copy_(x.permute(dim_order))
+        else:
+            data = x.permute(dim_order).contiguous()
         stored = Stored(tuple(data.shape), data.dtype, data.numel() * data.element_size())
         if self.tier == "cpu":
             # a copy even on a CPU device: Inductor may reuse x's buffer once this op returns
@@ -190,7 +202,13 @@ class OffloadEngine:
         """Start bringing the tensor behind `h` back to `device`; returns a new handle."""
         source = self.ticket_of(h)
         stored = self._stored_of(h)
-        pending = PendingRead(dest=torch.empty(stored.shape, dtype=stored.dtype, device=device))
+        if stored.fd is not None:
+            self.check_size(stored.fd, 0, stored.nbytes)
+        if device.type == "cpu" and self.tier == "nvme":
+            dest = self.host_empty(math.prod(stored.shape), stored.dtype).view(stored.shape)
+        else:
+            dest = torch.empty(stored.shape, dtype=stored.dtype, device=device)
+        pending = PendingRead(dest=dest)
         # The read holds the stored tensor (and its swap file) until it is done: Inductor frees
         # the handle right after this op, and a later offload must not reuse the file mid-read.
         with self._lock:
@@ -309,35 +327,70 @@ class OffloadEngine:
         """Bytes [off, off+n) of `view` to the file at base+off."""
         if n == 0:
             return
-        if self._swap is not None and self._swap.o_direct:
-            pos = base + off
-            lead = pos % ALIGN  # a tile of a parameter starts anywhere: rewrite its boundary pages
-            padded = _round_up(lead + n, ALIGN)
-            buf = _aligned(padded)
-            if lead or (lead + n) % ALIGN:
-                _pread_all(fd, memoryview(buf[:ALIGN]), pos - lead, upto_eof=True)
-                _pread_all(fd, memoryview(buf[padded - ALIGN:]), pos - lead + padded - ALIGN, upto_eof=True)
-            buf[lead:lead + n] = view[off:off + n]
-            _pwrite_all(fd, memoryview(buf), pos - lead)
-            return
         try:
+            if self._swap is not None and self._swap.o_direct:
+                body = _direct_body(view, off, n, base)
+                if body:  # straight from the tensor's pages
+                    _pwrite_all(fd, memoryview(view[off:off + body]), base + off)
+                if body < n:
+                    self._write_bounced(fd, view, off + body, n - body, base)
+                return
             _pwrite_all(fd, memoryview(view[off:off + n]), base + off)
         except OSError as e:
             raise ZinfError(
-                f"zinf: writing {n} bytes to the NVMe swap folder {self._swap.path!r} failed: {e.strerror}"
+                f"zinf: writing {n} bytes to the swap file {self.describe(fd)} failed: {e.strerror or e}"
             ) from None
+
+    def _write_bounced(self, fd: int, view, off: int, n: int, base: int) -> None:
+        """An O_DIRECT write of bytes that do not start or end on a page: through an aligned buffer,
+        the boundary pages read back first (a tile of a parameter starts anywhere)."""
+        pos = base + off
+        lead = pos % ALIGN
+        padded = _round_up(lead + n, ALIGN)
+        buf = _aligned(padded)
+        if lead or (lead + n) % ALIGN:
+            _pread_all(fd, memoryview(buf[:ALIGN]), pos - lead, upto_eof=True)
+            _pread_all(fd, memoryview(buf[padded - ALIGN:]), pos - lead + padded - ALIGN, upto_eof=True)
+        buf[lead:lead + n] = view[off:off + n]
+        _pwrite_all(fd, memoryview(buf), pos - lead)
 
     def _read_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         if n == 0:
             return
-        if self._swap is not None and self._swap.o_direct:
-            pos = base + off
-            lead = pos % ALIGN
-            buf = _aligned(_round_up(lead + n, ALIGN))
-            _pread_all(fd, memoryview(buf), pos - lead)
-            view[off:off + n] = buf[lead:lead + n]
-            return
-        _pread_all(fd, memoryview(view[off:off + n]), base + off)
+        try:
+            if self._swap is not None and self._swap.o_direct:
+                body = _direct_body(view, off, n, base)
+                if body:  # straight into the tensor's pages: no copy
+                    _pread_all(fd, memoryview(view[off:off + body]), base + off)
+                if body < n:  # through an aligned buffer (the size was checked: zeros past the end are padding)
+                    pos = base + off + body
+                    lead = pos % ALIGN
+                    buf = _aligned(_round_up(lead + n - body, ALIGN))
+                    _pread_all(fd, memoryview(buf), pos - lead, upto_eof=True)
+                    view[off + body:off + n] = buf[lead:lead + n - body]
+                return
+            _pread_all(fd, memoryview(view[off:off + n]), base + off)
+        except _EndOfFile:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} ended before byte {base + off + n}: it was "
+                            "truncated while in use; its data are lost") from None
+        except OSError as e:
+            raise ZinfError(f"zinf: reading the swap file {self.describe(fd)} failed: {e.strerror or e}") from None
+
+    def describe(self, fd: int) -> str:
+        """The file behind fd and what it holds, for error messages."""
+        return self._swap.describe(fd) if self._swap is not None else f"fd {fd}"
+
+    def check_size(self, fd: int, offset: int, nbytes: int) -> None:
+        """Raise a ZinfError naming the file (and the parameter it holds) unless it has bytes
+        [offset, offset + nbytes): a truncated file must never reach a mapping (SIGBUS) or be read
+        as zeros."""
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} cannot be read: {e.strerror or e}") from None
+        if size < offset + nbytes:
+            raise ZinfError(f"zinf: the swap file {self.describe(fd)} holds {size} bytes, {offset + nbytes} expected: "
+                            "it was truncated (by another process or a full disk?); its data are lost")
 
     # -- whole files, for the parameter store and the optimizer ----------------------------------
     def write_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
@@ -351,8 +404,20 @@ class OffloadEngine:
 
     def submit_read(self, fd: int, t: torch.Tensor, offset: int = 0) -> list[Future]:
         """Start reading the file from `offset` into t; the futures complete the read."""
+        self.check_size(fd, offset, t.numel() * t.element_size())
         self.stats["bytes_read"] += t.numel() * t.element_size()
         return self._submit_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the swap files are read and written with O_DIRECT."""
+        return self._swap is not None and self._swap.o_direct
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+        """A flat host buffer for this engine's reads: on whole pages where they are O_DIRECT."""
+        if self.direct:
+            return aligned_empty(numel, dtype, pin_memory)
+        return torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
 
     def can_map(self) -> bool:
         """Whether map_file serves reads: buffered files (O_DIRECT bypasses the page cache a
@@ -370,6 +435,7 @@ class OffloadEngine:
         self.stats["bytes_read"] += nbytes
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
+        self.check_size(fd, offset, nbytes)  # a mapping past the file's end is a SIGBUS when read
         lead = offset % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, lead + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                        offset=offset - lead)
@@ -380,6 +446,7 @@ class OffloadEngine:
 
     def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
         """The file's bytes from `offset` into t (contiguous, on the CPU)."""
+        self.check_size(fd, offset, t.numel() * t.element_size())
         self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_read"] += t.numel() * t.element_size()
 
@@ -398,6 +465,26 @@ def _when_all_done(futures: list[Future], fn) -> None:
 
     for f in futures:
         f.add_done_callback(one_done)
+
+
+def _direct_body(view, off: int, n: int, base: int) -> int:
+    """How many of bytes [off, off+n) of `view` an O_DIRECT request can move in place: the whole
+    pages from the start, when the file position and the memory address both fall on a page (0
+    otherwise: the bytes go through an aligned buffer)."""
+    if (base + off) % ALIGN or (view.ctypes.data + off) % ALIGN:
+        return 0
+    return n - n % ALIGN
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """An empty flat CPU tensor whose data start on a page: O_DIRECT reads and writes reach it
+    without a copy (pinned memory is page-aligned already)."""
+    if pin_memory:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift:shift + nbytes].view(dtype)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -434,5 +521,9 @@ def _pread_all(fd: int, mv: memoryview, off: int, upto_eof: bool = False) -> Non
             if upto_eof:
                 mv[:] = bytes(len(mv))
                 return
-            raise ZinfError("zinf: swap file ended early (was it removed or truncated?)")
+            raise _EndOfFile()
         mv, off = mv[got:], off + got
+
+
+class _EndOfFile(Exception):
+    """A read met the file's end: the caller names the file."""

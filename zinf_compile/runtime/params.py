@@ -188,8 +188,7 @@ class Entry:
 
     # -- the shard's bytes, wherever they live --------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.empty(self.shard_numel, dtype=self.shard_dtype, pin_memory=pin)
+        return self.engine.host_empty(self.shard_numel, self.shard_dtype, pin_memory=self.device.type == "cuda")
 
     @property
     def maps(self) -> bool:
@@ -219,7 +218,7 @@ class Entry:
             self.shard.copy_(flat)
         else:
             if self.fd is None or self.source is not None:
-                self.fd, self.base, self.source = self._acquire(), 0, None  # a whole write: nothing to copy
+                self.fd, self.base, self.source = self._acquire("shard"), 0, None  # a whole write: nothing to copy
             self.engine.write_file(self.fd, flat.contiguous())
 
     def _own_file(self, chunk: int = 1 << 22) -> None:
@@ -227,7 +226,7 @@ class Entry:
         anything is written for it (the optimizer reads and writes `fd` from offset 0)."""
         if self.source is None:
             return
-        fd = self._acquire()
+        fd = self._acquire("shard")
         buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
         size = self.shard_dtype.itemsize
         for start in range(0, self.shard_numel, chunk):
@@ -293,7 +292,7 @@ class Entry:
                 self.has_grad = True
                 return
             if self.grad_fd is None:
-                self.grad_fd = self._acquire()
+                self.grad_fd = self._acquire("gradient")
             off = lo * self.shard_dtype.itemsize
             if self.has_grad and (lo, hi) not in self.grad_parts:
                 if any(a < hi and lo < b for a, b in self.grad_parts):
@@ -328,9 +327,10 @@ class Entry:
         if self.tier == "cpu":
             self.grad = flat
         else:
-            fd = self.grad_fd = self._acquire() if self.grad_fd is None else self.grad_fd
+            fd = self.grad_fd = self._acquire("gradient") if self.grad_fd is None else self.grad_fd
             if self.has_grad:  # the gradient held survives a failed write: the sum goes beside it
-                fd = self.grad_spare_fd = self._acquire() if self.grad_spare_fd is None else self.grad_spare_fd
+                fd = self.grad_spare_fd = (self._acquire("gradient") if self.grad_spare_fd is None
+                                           else self.grad_spare_fd)
             self.engine.write_file(fd, flat.contiguous())
             if fd != self.grad_fd:
                 self.grad_spare_fd, self.grad_fd = self.grad_fd, fd
@@ -340,11 +340,11 @@ class Entry:
 
     def state_fd(self, name: str) -> int:
         if name not in self.state_fds:
-            self.state_fds[name] = self._acquire()
+            self.state_fds[name] = self._acquire(f"optimizer state {name!r}")
         return self.state_fds[name]
 
-    def _acquire(self) -> int:
-        n, fd = self.engine.swap.acquire()
+    def _acquire(self, what: str) -> int:
+        n, fd = self.engine.swap.acquire(f"{what} of parameter {self.name!r}")
         self.file_nos.append(n)
         return fd
 

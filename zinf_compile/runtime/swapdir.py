@@ -79,6 +79,7 @@ class SwapDir:
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._fds: dict[int, int] = {}
+        self._labels: dict[int, str] = {}  # fd -> what its file holds now, for error messages
         self.o_direct = o_direct
         try:
             missing = []
@@ -132,13 +133,14 @@ class SwapDir:
             if os.path.exists(probe):
                 os.remove(probe)
 
-    def acquire(self) -> tuple[int, int]:
-        """A (file number, fd) to write one tensor into."""
+    def acquire(self, label: str = "an offloaded activation") -> tuple[int, int]:
+        """A (file number, fd) to write one tensor into; `label` says what it holds (errors name it)."""
         with self._lock:
             if not self._finalizer.alive:
                 raise ZinfError(f"the NVMe swap folder {self.path!r} was already closed")
             if self._free:
                 n = self._free.pop()
+                self._labels[self._fds[n]] = label
                 return n, self._fds[n]
             n = len(self._fds)
             flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if self.o_direct else 0)
@@ -147,12 +149,19 @@ class SwapDir:
             except OSError as e:
                 raise ZinfError(f"cannot create a swap file in {self.path!r}: {e.strerror}") from None
             self._fds[n] = fd
+            self._labels[fd] = label
             return n, fd
 
     def release(self, n: int) -> None:
         with self._lock:
             if n in self._fds:
                 self._free.append(n)
+
+    def describe(self, fd: int) -> str:
+        """'<path> (<what it holds>)' for the file behind fd, for error messages."""
+        n = next((k for k, v in self._fds.items() if v == fd), None)
+        path = os.path.join(self.path, f"swap-{n}.bin") if n is not None else f"fd {fd}"
+        return f"{path} ({self._labels.get(fd, 'unknown contents')})"
 
     def file_count(self) -> int:
         return len(self._fds)

@@ -1,0 +1,199 @@
+"""Disk I/O: damaged swap files are errors that name the file and the parameter (never a SIGBUS
+or zeros read as data); the O_DIRECT path round-trips any offset and length; the read path is
+chosen from facts (forced either way by the option)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zinf_compile
+from zinf_compile.errors import ZinfError
+from zinf_compile.runtime import engine as eng_mod
+from zinf_compile.runtime.state import STORE
+
+from hf_models import hf_batch, hf_model  # noqa: E402  (tests/ is on the path under pytest)
+
+
+def _path_of(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@pytest.fixture(scope="module")
+def llama_nvme(offload_root):
+    """A small HF Llama whose every large weight is a shard file, after one forward."""
+    zinf_compile.reset()
+    torch.manual_seed(0)
+    model = hf_model("llama").eval()
+    batch = hf_batch("llama", batch=1, seq=16)
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "diskio")}
+    cm = torch.compile(model, backend="zinf", options=opts)
+    with torch.no_grad():
+        ref = cm(**batch).logits
+    yield model, cm, batch, ref
+    zinf_compile.reset()
+
+
+def _entry(model, name):
+    p = dict(model.named_parameters())[name]
+    e = STORE.entry(p)
+    assert STORE.is_managed(p) and e.fd is not None
+    return e
+
+
+@pytest.mark.parametrize("how", ["truncated", "emptied"])
+def test_truncated_shard_file_is_an_error_naming_parameter_and_file(llama_nvme, how):
+    """A shard file cut short under a running model: the forward raises a ZinfError naming the
+    parameter and the file (the mapped gather would otherwise die with SIGBUS); restored, the
+    same forward gives the same logits."""
+    model, cm, batch, ref = llama_nvme
+    name = "model.layers.1.mlp.up_proj.weight"
+    e = _entry(model, name)
+    path = _path_of(e.fd)
+    with open(path, "rb") as f:
+        saved = f.read()
+    assert len(saved) >= e.shard_nbytes
+    os.truncate(path, 0 if how == "emptied" else e.shard_nbytes // 2)
+    try:
+        with pytest.raises(ZinfError) as info, torch.no_grad():
+            cm(**batch)
+        msg = str(info.value)
+        assert name in msg and path in msg and "truncated" in msg, msg
+    finally:
+        with open(path, "r+b") as f:
+            f.write(saved)
+    with torch.no_grad():
+        assert torch.equal(cm(**batch).logits, ref)
+
+
+def test_engine_reads_of_a_truncated_file_name_it(tmp_path):
+    e = eng_mod.OffloadEngine(424243, "nvme", str(tmp_path), 2, False)
+    try:
+        x = torch.randn(1000)
+        h = e.offload(x, [0])
+        fd = e._stored[e.ticket_of(h)].fd
+        os.truncate(_path_of(fd), 100)
+        for read in (lambda: e.wait(e.prefetch(h, x.device), x.device, [0]),
+                     lambda: e.map_file(fd, 0, 1000, torch.float32),
+                     lambda: e.read_file(fd, torch.empty(1000))):
+            with pytest.raises(ZinfError, match=r"swap-0\.bin \(an offloaded activation\) holds 100 bytes, 4000"):
+                read()
+        os.close(fd)  # a file that cannot be read at all
+        with pytest.raises(ZinfError, match="cannot be read"):
+            e.read_file(fd, torch.empty(10))
+        e.swap._fds.clear()
+    finally:
+        e.close()
+
+
+def _is_direct(fd: int) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_auto_goes_direct_when_the_files_outgrow_the_page_cache(llama_nvme, offload_root):
+    """o_direct="auto" (the default) with facts saying the swap files outgrow the page cache: the
+    shard files are opened O_DIRECT, gathers read them into page-aligned buffers (no mapping),
+    the plan times reads at the direct bandwidth, and the logits equal the buffered run's."""
+    from zinf_compile import backend
+    from zinf_compile.cost import BUILTIN
+
+    model0, _, batch, ref = llama_nvme
+    torch.manual_seed(0)
+    model = hf_model("llama").eval()
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "diskio-direct")}
+    with pytest.MonkeyPatch.context() as mp:
+        facts = []
+        real = backend._file_facts
+
+        def tiny_cache(*a):
+            facts.append(real(*a))
+            return facts[-1][0], facts[-1][0] - 1  # one byte too few
+        mp.setattr(backend, "_file_facts", tiny_cache)
+        cm = torch.compile(model, backend="zinf", options=opts)
+        with torch.no_grad():
+            out = cm(**batch).logits
+    assert facts and facts[0][0] == sum(p.numel() * 4 for p in model.parameters())  # no_grad: no states
+    name = "model.layers.1.mlp.up_proj.weight"
+    e = _entry(model, name)
+    assert e.engine.direct and _is_direct(e.fd) and not e.maps
+    assert not _is_direct(_entry(model0, name).fd)  # the first model's files: buffered, mapped
+    assert torch.equal(out, ref)
+    plan = [p for p in zinf_compile.last_plans() if p.params][-1]
+    assert plan.predicted_stall_s >= 0
+    assert BUILTIN["cpu"].seen_by(True).nvme_read_bw == BUILTIN["cpu"].nvme_direct_read_bw
+    assert BUILTIN["cpu"].seen_by(False) is BUILTIN["cpu"]
+
+
+def test_direct_io_decision():
+    from zinf_compile.planner import direct_io
+
+    assert direct_io(True, 0, 10) and not direct_io(False, 10, 0)
+    assert direct_io("auto", 11, 10) and not direct_io("auto", 10, 10)
+
+
+def test_direct_reads_and_writes_at_any_offset(tmp_path, monkeypatch):
+    """O_DIRECT files: whole pages of a page-aligned buffer move without a copy; any other offset
+    or length (tiles of a parameter, odd tails) goes through an aligned buffer, keeping the bytes
+    around it."""
+    e = eng_mod.OffloadEngine(424250, "nvme", str(tmp_path), 4, "auto")
+    try:
+        assert not e.direct
+        assert e.choose_direct(True)
+        if not e.direct:
+            pytest.fail(f"{tmp_path} refuses O_DIRECT")
+        _, fd = e.swap.acquire("probe")
+        assert _is_direct(fd)
+        assert e.choose_direct(False)  # a file exists: the choice stays
+        bounced = []
+        real = eng_mod._aligned
+        monkeypatch.setattr(eng_mod, "_aligned", lambda n: bounced.append(n) or real(n))
+        whole = e.host_empty(3 * (eng_mod.CHUNK_BYTES // 4) + 1024, torch.float32)  # pages, several chunks
+        assert whole.data_ptr() % eng_mod.ALIGN == 0
+        whole.copy_(torch.randn(whole.numel()))
+        e.write_file(fd, whole)
+        back = e.host_empty(whole.numel(), torch.float32)
+        e.read_file(fd, back)
+        assert torch.equal(back, whole) and not bounced
+        part = torch.randn(1001)  # at an odd offset, unaligned memory, odd length
+        e.write_file(fd, part, offset=4 * 777)
+        expect = whole.clone()
+        expect[777:777 + 1001] = part
+        e.read_file(fd, back)
+        assert torch.equal(back, expect) and bounced
+        got = torch.empty(1001)
+        e.read_file(fd, got, offset=4 * 777)
+        assert torch.equal(got, part)
+        x = torch.randn(37, 129)
+        assert torch.equal(e.wait(e.prefetch(e.offload(x, [1, 0]), x.device), x.device, [1, 0]), x)
+    finally:
+        e.close()
+
+
+def test_calibrate_measures_buffered_and_direct_reads(tmp_path):
+    from zinf_compile.calibrate import disk_bandwidths
+
+    bw = disk_bandwidths(str(tmp_path), mib=8)
+    assert set(bw) == {"buffered_write", "buffered_read_warm", "buffered_read_cold", "direct_read", "direct_write"}
+    assert all(v is not None and v > 1e6 for v in bw.values()), bw
+    assert os.listdir(tmp_path) == []
+
+
+def test_cold_regime_drops_the_page_cache_before_each_timed_step(monkeypatch):
+    from bench import _harness
+
+    events = []
+    monkeypatch.setattr(_harness, "drop_caches", lambda: events.append("drop") or True)
+    monkeypatch.setenv(_harness.COLD_ENV, "1")
+    _harness.measure_steps(lambda: events.append("step") or 0.0, warmup=1, steps=2)
+    assert events == ["step", "drop", "step", "drop", "step"]
+    events.clear()
+    monkeypatch.setenv(_harness.COLD_ENV, "0")
+    _harness.measure_steps(lambda: events.append("step") or 0.0, warmup=1, steps=2)
+    assert events == ["step"] * 3
+    monkeypatch.setattr(_harness, "drop_caches", lambda: False)  # not root
+    monkeypatch.setenv(_harness.COLD_ENV, "1")
+    with pytest.raises(SystemExit, match="needs root"):
+        _harness.measure_steps(lambda: 0.0, warmup=0, steps=1)
