@@ -101,6 +101,14 @@ class InsertOffloads(Pass):
             y.meta["val"] = _fake(ops.wait, h2.meta["val"], ctx.engine_key, val.dtype, device, order)
             ir.mark(y, meta("wait"))
             later = ctx.facts.step_of
+            position: dict[fx.Node, int] = {}
+
+            def after_wait(user: fx.Node) -> bool:
+                """A node the plan's facts do not know (a recompute's, made since) stands after
+                the wait in the graph's order."""
+                if not position:
+                    position.update((n, i) for i, n in enumerate(graph.nodes))
+                return position.get(user, -1) > position[y]
 
             def redirect(old: fx.Node, new: fx.Node) -> None:
                 """Every use of `old` after the gap reads `new` (the output too: what the forward
@@ -110,7 +118,11 @@ class InsertOffloads(Pass):
                 for user in list(old.users):
                     if user in (h, h2, y, new):
                         continue
-                    if source.graph is not graph or later.get(user, -1) >= wai.step or user.op == "output":
+                    step = later.get(user)
+                    if step is None and user.op == "call_function" and user.graph is graph:
+                        step = wai.step if after_wait(user) else -1
+                    if source.graph is not graph or (step if step is not None else -1) >= wai.step \
+                            or user.op == "output":
                         user.replace_input_with(old, new)
                         moved.append(user)
                 _repropagate(moved, keys.get(old))
