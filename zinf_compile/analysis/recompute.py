@@ -51,7 +51,8 @@ class Recompute:
     leaf_placeholders: tuple[fx.Node, ...]
     leaf_buffers: tuple[int, ...]
     nbytes: int  # the storage freed
-    flops: int
+    flops: int  # the flop counter's (0 for elementwise ops it does not count)
+    bytes_touched: int  # memory traffic of the chain's ops that make storage (views move nothing)
     est_time_s: float  # the chain's compute, from the cost model's estimate of the forward steps
     temp_nbytes: int  # intermediate storages the chain makes besides the rebuilt one
 
@@ -108,6 +109,7 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
             continue
         flops = sum(steps[step_of[n]].flops for n in chain if n in step_of)
         secs = sum(steps[step_of[n]].est_time_s for n in chain if n in step_of)
+        traffic = sum(_traffic(n) for n in chain if cheap_kind(n) != "view")
         seen: set = set()
         temp = 0
         for n in chain[:-1]:  # storages the chain makes besides the rebuilt one (views make none)
@@ -117,9 +119,18 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
                 if key not in seen:
                     seen.add(key)
                     temp += tensor_nbytes(v)
-        out.append(Recompute(b.id, after, before, x, p, chain, leaves, leaf_ph, leaf_buf, b.nbytes, flops, secs,
-                             temp))
+        out.append(Recompute(b.id, after, before, x, p, chain, leaves, leaf_ph, leaf_buf, b.nbytes, flops, traffic,
+                             secs, temp))
     return tuple(out)
+
+
+def _traffic(n: fx.Node) -> int:
+    total = 0
+    for a in (*n.all_input_nodes, n):
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            total += tensor_nbytes(v)
+    return total
 
 
 def _chain(x: fx.Node, available: dict) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
