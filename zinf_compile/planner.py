@@ -476,10 +476,11 @@ def choose_levers(facts: GraphFacts, nbytes, live: np.ndarray, budget: int, prof
 
     Each stretch a storage can be away is one candidate (a gap, a recompute, or both: a saved
     tensor's gap across forward and backward is the stretch its recompute frees). Greedy over the
-    stretches by bytes x length, each only if it frees memory at a step still over the budget, by
-    the lever that costs less: the chain's compute or the transfer out and back. A recompute
-    excludes every gap of its own storage and the gaps of its leaves that span its rebuild, and
-    the recompute of a leaf. Then drop what the others make unnecessary (last taken first). If the
+    stretches by bytes x length, each only if it frees memory at a step still over the budget:
+    first the recomputes whose chain costs less than moving the tensor out and back (or that have
+    no gap), then the gaps (a recompute where its gap is shut out). A recompute excludes every gap
+    of its own storage and the gaps of its leaves that span its rebuild, and the recompute of a
+    leaf. Then drop what the others make unnecessary (last taken first). If the
     result does not fit (a preferred recompute shut out gaps the floor counts on), the same with
     only the recomputes the floor counts (analysis.recompute.in_floor)."""
     from zinf_compile.analysis.recompute import in_floor
@@ -506,27 +507,38 @@ def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) ->
 
     def allowed_rec(r) -> bool:
         for t in taken:
+            if t is r:
+                return False
             if isinstance(t, Gap) and conflicts(r, t):
                 return False
             if isinstance(t, Recompute) and (t.buffer in r.leaf_buffers or r.buffer in t.leaf_buffers):
                 return False
         return live[r.before] + r.temp_nbytes <= budget
 
-    for k in keys:
+    def over(k) -> bool:
         span = live[k[1] + 1:k[2]]
-        if not len(span) or span.max() <= budget:
+        return bool(len(span)) and span.max() > budget
+
+    # first the recomputes cheaper than moving (a leaf's gap taken first would shut them out)
+    for k in keys:
+        r = rec_of.get(k)
+        if r is None or live.max() <= budget or not over(k) or not allowed_rec(r):
             continue
-        r, g = rec_of.get(k), gap_of.get(k)
-        if g is not None and not allowed_gap(g):
-            g = None
-        if r is not None and allowed_rec(r) and (g is None or r.est_time_s < offload_cost(r.nbytes, profile, tier, frees)):
+        if k not in gap_of or r.est_time_s < offload_cost(r.nbytes, profile, tier, frees):
             _apply_recompute(live, r, +1)
             taken.append(r)
-        elif g is not None:
-            span -= nbytes[g.buffer]
-            taken.append(g)
+    for k in keys:
         if live.max() <= budget:
             break
+        if not over(k):
+            continue
+        r, g = rec_of.get(k), gap_of.get(k)
+        if g is not None and allowed_gap(g) and not any(t is r for t in taken):
+            live[k[1] + 1:k[2]] -= nbytes[g.buffer]
+            taken.append(g)
+        elif r is not None and allowed_rec(r):
+            _apply_recompute(live, r, +1)
+            taken.append(r)
     # drop what the others make unnecessary, most recently taken first
     for t in reversed(list(taken)):
         if isinstance(t, Recompute):
