@@ -141,3 +141,21 @@ def test_trains_like_inductor_with_recompute(offload_root):
     check_same_training(run)
     assert all(torch.equal(a, b) for a, b in zip(run["ref_losses"], run["losses"]))
     zinf_compile.reset()
+
+
+def test_report_shows_the_recomputes(llama_plan, tmp_path):
+    """The summary and the lane chart read the recompute actions from the Plan alone (also after a
+    JSON round trip)."""
+    from zinf_compile.plan import Plan
+    from zinf_compile.report.lanes import lane_figure, lane_kinds
+    from zinf_compile.report.summary import summary_rows
+
+    path = str(tmp_path / "plan.json")
+    llama_plan.plan.save(path)
+    plan = Plan.load(path)
+    assert plan == llama_plan.plan
+    rows = dict(summary_rows(plan))
+    n = len(plan.recomputes())
+    assert rows["recomputed tensors"].startswith(f"{n}: ") and f"recompute {n}" in rows["actions"]
+    assert "recompute" in lane_kinds(plan)
+    assert lane_figure(plan) is not None
