@@ -501,19 +501,33 @@ def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) ->
     gap_of = {(g.buffer, g.after, g.before): g for g in gaps}
     keys = sorted({*rec_of, *gap_of}, key=lambda k: (-nbytes[k[0]] * (k[2] - k[1] - 1), k[1], k[0], k[2]))
     taken: list = []  # Gap | Recompute, in the order taken
+    # indexes of what is taken, so that each check looks only at the storages it concerns
+    rec_near: dict[int, list[Recompute]] = {}  # buffer -> taken recomputes of it or reading it
+    gaps_of: dict[int, list[Gap]] = {}  # buffer -> its taken gaps
+    rebuilt: set[int] = set()
+    read_by_rebuilt: set[int] = set()
 
     def allowed_gap(g) -> bool:
-        return not any(isinstance(t, Recompute) and conflicts(t, g) for t in taken)
+        return not any(conflicts(t, g) for t in rec_near.get(g.buffer, ()))
 
     def allowed_rec(r) -> bool:
-        for t in taken:
-            if t is r:
-                return False
-            if isinstance(t, Gap) and conflicts(r, t):
-                return False
-            if isinstance(t, Recompute) and (t.buffer in r.leaf_buffers or r.buffer in t.leaf_buffers):
-                return False
+        if r.buffer in rebuilt or r.buffer in gaps_of or r.buffer in read_by_rebuilt:
+            return False
+        if any(lb in rebuilt or any(conflicts(r, g) for g in gaps_of.get(lb, ())) for lb in r.leaf_buffers):
+            return False
         return live[r.before] + r.temp_nbytes <= budget
+
+    def take(t) -> None:
+        taken.append(t)
+        if isinstance(t, Gap):
+            live[t.after + 1:t.before] -= nbytes[t.buffer]
+            gaps_of.setdefault(t.buffer, []).append(t)
+            return
+        _apply_recompute(live, t, +1)
+        rebuilt.add(t.buffer)
+        read_by_rebuilt.update(t.leaf_buffers)
+        for b in {t.buffer, *t.leaf_buffers}:
+            rec_near.setdefault(b, []).append(t)
 
     def over(k) -> bool:
         span = live[k[1] + 1:k[2]]
@@ -525,20 +539,17 @@ def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) ->
         if r is None or live.max() <= budget or not over(k) or not allowed_rec(r):
             continue
         if k not in gap_of or r.est_time_s < offload_cost(r.nbytes, profile, tier, frees):
-            _apply_recompute(live, r, +1)
-            taken.append(r)
+            take(r)
     for k in keys:
         if live.max() <= budget:
             break
         if not over(k):
             continue
         r, g = rec_of.get(k), gap_of.get(k)
-        if g is not None and allowed_gap(g) and not any(t is r for t in taken):
-            live[k[1] + 1:k[2]] -= nbytes[g.buffer]
-            taken.append(g)
+        if g is not None and allowed_gap(g):
+            take(g)
         elif r is not None and allowed_rec(r):
-            _apply_recompute(live, r, +1)
-            taken.append(r)
+            take(r)
     # drop what the others make unnecessary, most recently taken first
     for t in reversed(list(taken)):
         if isinstance(t, Recompute):
