@@ -22,8 +22,8 @@ BudgetError is a batch that does not fit). At each batch the contenders still fi
 order rotated per batch; a contender stops at its first batch that does not fit.
 
 Reported per contender: the largest batch that fits, its tokens per step, its median step time
-(measured steps only) and that time per token, its first loss, and whether its losses equal Inductor's at every batch both
-ran (zinf's must be bit-identical). Also zinf's largest tokens over Inductor's, zinf's step time
+(measured steps only) and that time per token, its first loss, and whether its losses equal
+Inductor's at every batch both ran (zinf's must be bit-identical). Also zinf's largest tokens over Inductor's, zinf's step time
 over Inductor's at Inductor's largest batch, and each contender's step time per token at its own
 largest batch over Inductor's at its own (issue 13's target: zinf >= 4x Inductor's tokens at <= 1.3x
 its time per token). Writes <out>/tokens.json and <out>/tokens.png.
