@@ -159,3 +159,32 @@ def test_report_shows_the_recomputes(llama_plan, tmp_path):
     assert rows["recomputed tensors"].startswith(f"{n}: ") and f"recompute {n}" in rows["actions"]
     assert "recompute" in lane_kinds(plan)
     assert lane_figure(plan) is not None
+
+
+@pytest.mark.parametrize("corrupt,message", [("saved_again", "still saves"), ("missing_chain", "chains of")])
+def test_verifier_rejects_broken_recomputes(corrupt, message):
+    """Invariant 9, broken by hand on a tiny GPT (no Inductor), is caught and named."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from gpt import build as build_gpt
+
+    from zinf_compile.capture import capture
+    from zinf_compile.passes import PassContext, Recompute, VerificationError, check_invariants
+    from zinf_compile.pipeline import plan_graphs
+
+    graphs, nfo = capture(build_gpt, dict(batch=4, seq=32, layers=2, hidden=64, heads=2, vocab=128))
+    facts, plan = plan_graphs(graphs, nfo, int(1.5 * MiB), PROFILE, "nvme")
+    assert plan.recomputes()
+    ctx = PassContext(num_fwd_outputs=nfo, engine_key=1, plan=plan, facts=facts)
+    Recompute().apply(graphs, ctx)
+    check_invariants(graphs, ctx, "recompute")  # as applied: fine
+    if corrupt == "saved_again":
+        out = output_node(graphs["forward"].graph)
+        target = next(r.target for r in facts.recomputes if r.buffer == plan.recomputes()[0].tensor)
+        out.args = ((*out.args[0], target),)
+    else:
+        extra = dataclasses.replace(plan.recomputes()[0], group=99)
+        ctx.plan = dataclasses.replace(plan, actions=(*plan.actions, extra))
+    with pytest.raises(VerificationError, match=message):
+        check_invariants(graphs, ctx, "corrupted")
