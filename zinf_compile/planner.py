@@ -515,7 +515,8 @@ def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) ->
             return False
         if any(lb in rebuilt or any(conflicts(r, g) for g in gaps_of.get(lb, ())) for lb in r.leaf_buffers):
             return False
-        return live[r.before] + r.temp_nbytes <= budget
+        # its intermediates add to the step it rebuilds for: only where that stays within the budget
+        return r.temp_nbytes == 0 or live[r.before] + r.temp_nbytes <= budget
 
     def take(t) -> None:
         taken.append(t)
