@@ -34,7 +34,7 @@ class InsertOffloads(Pass):
     name: ClassVar[str] = "insert-offloads"
 
     def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
-        gaps = {(g.buffer, g.after, g.before): g for g in ctx.facts.gaps}
+        gaps = {(g.buffer, g.after, g.before): g for g in (*ctx.facts.gaps, *ctx.facts.rebuild_gaps)}
         groups: dict[int, dict[str, object]] = {}
         for a in ctx.plan.moves():
             groups.setdefault(a.group, {})[a.kind] = a
@@ -92,11 +92,11 @@ class InsertOffloads(Pass):
                 incoming = target
             else:
                 incoming = h
-            with graph.inserting_before(ctx.step_node(pre.step)):
+            with graph.inserting_before(_before(ctx.step_node(pre.step))):
                 h2 = graph.call_function(ops.prefetch, (incoming, ctx.engine_key, device))
             h2.meta["val"] = _fake(ops.prefetch, incoming.meta["val"], ctx.engine_key, device)
             ir.mark(h2, meta("prefetch"))
-            with graph.inserting_before(ctx.step_node(wai.step)):
+            with graph.inserting_before(_before(ctx.step_node(wai.step))):
                 y = graph.call_function(ops.wait, (h2, ctx.engine_key, val.dtype, device, order))
             y.meta["val"] = _fake(ops.wait, h2.meta["val"], ctx.engine_key, val.dtype, device, order)
             ir.mark(y, meta("wait"))
@@ -149,6 +149,14 @@ class InsertOffloads(Pass):
         n = len(changes)
         return self.report(changes, offload=n, prefetch=n, wait=n)
 
+
+
+def _before(anchor: fx.Node) -> fx.Node:
+    """Where "right before step s" is: before the chain a recompute put before s (it may read
+    what the wait brings back)."""
+    while isinstance(ir.meta(anchor.prev), ir.RecomputeMeta):
+        anchor = anchor.prev
+    return anchor
 
 
 def _layout(n: fx.Node) -> tuple:

@@ -583,7 +583,7 @@ def test_dense_dim_order_adds_no_guards():
 # (it saves every value the backward reads, recomputing nothing itself), so saved outputs of cheap
 # ops are common. The levers are every gap and every recompute candidate; the oracle tries every
 # subset of them that can be used together (no lever of a storage twice, no leaf away or rebuilt
-# when a chain reads it) and applies each one's effect directly: a gap's bytes absent strictly
+# when a chain reads it; a leaf's gap cut short at a rebuild is a lever too) and applies each one's effect directly: a gap's bytes absent strictly
 # inside it, a recompute's storage absent from its last forward step to its rebuild and its chain's
 # intermediates present at the rebuild.
 
@@ -659,9 +659,10 @@ def _conflict(x, y) -> bool:
         return x is not y and (x.buffer in y.leaf_buffers or y.buffer in x.leaf_buffers)
     if isinstance(y, Recompute):
         x, y = y, x
-    if isinstance(x, Recompute):  # y a gap
-        return y.buffer == x.buffer or (y.buffer in x.leaf_buffers and y.after < x.before <= y.before)
-    return False
+    if isinstance(x, Recompute):  # y a gap: of its storage, or of a leaf, away across the rebuild
+        return y.buffer == x.buffer or (y.buffer in x.leaf_buffers and y.after < x.before < y.before)
+    # two gaps of one storage that overlap (a leaf's gap and the same cut short at a rebuild)
+    return x is not y and x.buffer == y.buffer and x.after < y.before and y.after < x.before
 
 
 def _compatible(levers) -> bool:
@@ -670,7 +671,7 @@ def _compatible(levers) -> bool:
 
 def lever_peaks(facts) -> tuple[np.ndarray, np.ndarray, list]:
     """(peak, usable) for every subset of the levers (bit i: lever i used), and the levers."""
-    levers = [*facts.gaps, *facts.recomputes]
+    levers = [*facts.gaps, *facts.rebuild_gaps, *facts.recomputes]
     k, n = len(levers), len(facts.live)
     effect = np.zeros((k, n), dtype=np.int64)  # bytes each lever takes off each step
     for i, x in enumerate(levers):
@@ -690,7 +691,7 @@ def _with_recompute(data):
     """A forward/backward pair with a recompute candidate."""
     j = trace_joint(data.draw(joint_programs(), label="program"))
     facts = joint_facts(j)
-    assume(facts.recomputes and len(facts.gaps) + len(facts.recomputes) <= MAX_LEVERS)
+    assume(facts.recomputes and len(facts.gaps) + len(facts.rebuild_gaps) + len(facts.recomputes) <= MAX_LEVERS)
     return j, facts
 
 
@@ -719,7 +720,7 @@ def test_recompute_lower_bound_and_plan_against_brute_force(data):
     event(f"recomputes chosen: {min(len(recs), 2)}")
     by_key = {(r.buffer, r.before): r for r in facts.recomputes}
     chosen = [by_key[k] for k in recs]
-    gaps = {(g.buffer, g.after, g.before): g for g in facts.gaps}
+    gaps = {(g.buffer, g.after, g.before): g for g in (*facts.gaps, *facts.rebuild_gaps)}
     moved = [gaps[(a.tensor, a.step, w.step)] for a in plan.actions if a.kind == "offload"
              for w in plan.actions if w.kind == "wait" and w.group == a.group]
     assert _compatible([*moved, *chosen]), "the plan's levers can be used together"

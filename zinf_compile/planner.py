@@ -486,7 +486,8 @@ def choose_levers(facts: GraphFacts, nbytes, live: np.ndarray, budget: int, prof
     from zinf_compile.analysis.recompute import in_floor
 
     start = live.copy()
-    gaps, recs = _cover_with(facts.gaps, facts.recomputes, nbytes, live, budget, profile, tier, frees)
+    gaps, recs = _cover_with(facts.gaps, facts.recomputes, nbytes, live, budget, profile, tier, frees,
+                             facts.rebuild_gaps)
     if live.max() > budget and recs:
         live[:] = start
         only = tuple(r for r in facts.recomputes if in_floor(r, facts.gaps, facts.recomputes))
@@ -494,9 +495,13 @@ def choose_levers(facts: GraphFacts, nbytes, live: np.ndarray, budget: int, prof
     return gaps, recs
 
 
-def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) -> tuple[list[Gap], list[Recompute]]:
+def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees,
+                cut_gaps=()) -> tuple[list[Gap], list[Recompute]]:
     from zinf_compile.analysis.recompute import conflicts
 
+    cuts: dict[tuple[int, int], list[Gap]] = {}  # (buffer, after) -> its gap cut at each rebuild, longest first
+    for c in sorted(cut_gaps, key=lambda c: -c.before):
+        cuts.setdefault((c.buffer, c.after), []).append(c)
     rec_of = {(r.buffer, r.after, r.before): r for r in recomputes}
     gap_of = {(g.buffer, g.after, g.before): g for g in gaps}
     keys = sorted({*rec_of, *gap_of}, key=lambda k: (-nbytes[k[0]] * (k[2] - k[1] - 1), k[1], k[0], k[2]))
@@ -551,6 +556,10 @@ def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees) ->
             take(g)
         elif r is not None and allowed_rec(r):
             take(r)
+        elif g is not None:  # shut out by a rebuild that reads it: the leaf back for the chain
+            cut = next((c for c in cuts.get((g.buffer, g.after), ()) if allowed_gap(c)), None)
+            if cut is not None and cut.before - cut.after >= 2 and g.buffer not in gaps_of:
+                take(cut)
     # drop what the others make unnecessary, most recently taken first
     for t in reversed(list(taken)):
         if isinstance(t, Recompute):

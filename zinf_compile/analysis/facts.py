@@ -77,6 +77,7 @@ class GraphFacts:
     lower_bound: int = 0  # peak when every gap is used (prefetch just in time)
     floor: np.ndarray | None = field(default=None, repr=False)  # per step: live bytes no lever can free
     recomputes: tuple = ()  # analysis.recompute.Recompute: saved activations the backward can rebuild
+    rebuild_gaps: tuple[Gap, ...] = ()  # leaves' gaps cut short at a rebuild (analysis.recompute.rebuild_gaps)
 
     @property
     def peak(self) -> int:
@@ -251,6 +252,11 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
 
         bw_start = next((st.index for st in steps if st.graph == bw[0].role), n_steps)
         recomputes = recompute_candidates(buffers, bw[0].saved, step_of, bw_start, steps)
+    cut = ()
+    if recomputes:
+        from zinf_compile.analysis.recompute import rebuild_gaps
+
+        cut = rebuild_gaps(recomputes, gaps)
     floor = _floor_of(live, buffers, gaps, recomputes)
     return GraphFacts(
         graphs=tuple(s.role for s in specs),
@@ -264,6 +270,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         lower_bound=int(floor.max()) if n_steps else 0,
         floor=floor,
         recomputes=recomputes,
+        rebuild_gaps=cut,
     )
 
 

@@ -159,10 +159,26 @@ def _chain(x: fx.Node, available: dict) -> tuple[tuple[fx.Node, ...], tuple[fx.N
 def conflicts(r: Recompute, gap) -> bool:
     """Whether offloading `gap` (analysis.facts.Gap) and recomputing `r` exclude each other: the
     gap moves r's own storage, or one of r's leaves is away when the chain reads it (the gap spans
-    r's rebuild: its tensor would have to come back for the chain)."""
+    r's rebuild; a gap that ends at the rebuild brings the leaf back before the chain)."""
     if gap.buffer == r.buffer:
         return True
-    return gap.buffer in r.leaf_buffers and gap.after < r.before <= gap.before
+    return gap.buffer in r.leaf_buffers and gap.after < r.before < gap.before
+
+
+def rebuild_gaps(recomputes, gaps) -> tuple:
+    """A leaf's gap across forward and backward cut short at a rebuild that reads the leaf: the
+    leaf comes back for the chain instead of for its own first use (and stays until then). Kept
+    apart from the facts' gaps: the floor counts the whole gaps; the planner takes a cut one where
+    a recompute it chose excludes the whole one."""
+    import dataclasses
+
+    out = {}
+    for r in recomputes:
+        for g in gaps:
+            if g.buffer in r.leaf_buffers and g.after < r.before < g.before and g.source.graph is not g.target.graph:
+                cut = dataclasses.replace(g, before=r.before)
+                out.setdefault((cut.buffer, cut.after, cut.before), cut)
+    return tuple(out[k] for k in sorted(out))
 
 
 def in_floor(r: Recompute, gaps, recomputes) -> bool:
