@@ -22,14 +22,17 @@ BudgetError is a batch that does not fit). At each batch the contenders still fi
 order rotated per batch; a contender stops at its first batch that does not fit.
 
 Reported per contender: the largest batch that fits, its tokens per step, its median step time
-(measured steps only), its first loss, and whether its losses equal Inductor's at every batch both
-ran (zinf's must be bit-identical). Also zinf's largest tokens over Inductor's and zinf's step time
-over Inductor's at Inductor's largest batch. Writes <out>/tokens.json and <out>/tokens.png.
+(measured steps only) and that time per token, its first loss, and whether its losses equal
+Inductor's at every batch both ran (zinf's must be bit-identical). Also zinf's largest tokens over Inductor's, zinf's step time
+over Inductor's at Inductor's largest batch, and each contender's step time per token at its own
+largest batch over Inductor's at its own (issue 13's target: zinf >= 4x Inductor's tokens at <= 1.3x
+its time per token). Writes <out>/tokens.json and <out>/tokens.png.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -157,6 +160,8 @@ def summarize(runs: list[dict], names: list[str], budget: int) -> dict:
             "tokens": best["tokens"] if best else 0,
             "growth": best["growth"] if best else None,
             "step_s_median": statistics.median(best["step_s"]) if best else None,
+            # the step's time per token at that batch: what the issue's "no more than 1.3x" compares
+            "step_s_per_token": statistics.median(best["step_s"]) / best["tokens"] if best else None,
             "first_loss": best["losses"][0] if best else None,
             "stopped_by": next((("error: " + r["error"]) if not r.get("planned") else
                                 f"growth {r['growth'] / MiB:.1f} MiB at batch {r['batch']}"
@@ -175,19 +180,28 @@ def _versus(runs: list[dict], summary: dict) -> dict:
         return {}
     at = ind["largest_batch"]
     zr = next((r for r in runs if r["contender"] == "zinf" and r["batch"] == at and r.get("planned")), None)
-    return {"zinf_tokens_over_inductor": z["tokens"] / ind["tokens"], "at_batch": at,
+    per_token = {n: s["step_s_per_token"] / ind["step_s_per_token"] for n, s in summary.items()
+                 if s.get("step_s_per_token") and ind.get("step_s_per_token")}
+    ratio = z["tokens"] / ind["tokens"]
+    return {"zinf_tokens_over_inductor": ratio, "at_batch": at,
             "zinf_step_s_at_inductor_largest": statistics.median(zr["step_s"]) if zr else None,
-            "zinf_step_time_over_inductor": statistics.median(zr["step_s"]) / ind["step_s_median"] if zr else None}
+            "zinf_step_time_over_inductor": statistics.median(zr["step_s"]) / ind["step_s_median"] if zr else None,
+            # each contender at its own largest batch: step time per token over Inductor's at its own
+            "step_per_token_over_inductor": per_token,
+            # the issue's target: >= 4x the tokens at <= 1.3x Inductor's step time per token
+            "target_met": bool(ratio >= 4 and per_token.get("zinf", math.inf) <= 1.3)}
 
 
 def _table(summary: dict) -> str:
-    rows = [("contender", "largest batch", "tokens/step", "growth MiB", "step s", "first loss", "losses = inductor")]
+    rows = [("contender", "largest batch", "tokens/step", "growth MiB", "step s", "ms/token", "first loss",
+             "losses = inductor")]
     for n, s in summary.items():
         same = ("bit-identical" if s["losses_bit_identical_to_inductor"] else
                 f"max diff {s['max_loss_diff_vs_inductor']:.2e}" if s["max_loss_diff_vs_inductor"] is not None else "-")
         rows.append((n, str(s["largest_batch"] or "-"), str(s["tokens"]),
                      f"{s['growth'] / MiB:.1f}" if s["growth"] is not None else "-",
                      f"{s['step_s_median']:.3f}" if s["step_s_median"] else "-",
+                     f"{s['step_s_per_token'] * 1e3:.3f}" if s.get("step_s_per_token") else "-",
                      f"{s['first_loss']:.6f}" if s["first_loss"] is not None else "-", same))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -261,6 +275,10 @@ def parent(args) -> int:
               f"largest batch ({versus['at_batch']}) zinf's step takes "
               f"{versus['zinf_step_time_over_inductor']:.2f}x inductor's" if versus["zinf_step_time_over_inductor"]
               else f"zinf / inductor: {versus['zinf_tokens_over_inductor']:.1f}x the tokens per step")
+    if versus.get("step_per_token_over_inductor"):
+        print("step time per token, each at its largest batch, over inductor's: "
+              + ", ".join(f"{n} {r:.2f}x" for n, r in versus["step_per_token_over_inductor"].items())
+              + f"; target (>= 4x the tokens at <= 1.3x per token) {'met' if versus['target_met'] else 'not met'}")
     print(f"total {total:.0f} s")
 
     os.makedirs(args.out, exist_ok=True)

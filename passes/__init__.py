@@ -9,10 +9,11 @@ from .insert_offload import InsertOffloads
 from .params import (AllReduceGrads, DropReducedOutputs, FetchAhead, InsertGathers, KeepResident, Partition,
                      ReduceGrads, SinkGathers, partition_pass)
 from .pin_order import PinOrder
+from .recompute import Recompute
 from .tiling import TileMatmuls
 from .verifier import VerificationError, check_budget, check_invariants, verify
 
 __all__ = ["AllReduceGrads", "DropReducedOutputs", "FetchAhead", "Graphs", "InsertGathers", "InsertOffloads",
-           "KeepResident", "Partition", "Pass", "PassContext", "PassReport", "PinOrder", "ReduceGrads",
+           "KeepResident", "Partition", "Pass", "PassContext", "PassReport", "PinOrder", "Recompute", "ReduceGrads",
            "SinkGathers", "TileMatmuls", "VerificationError", "check_budget", "check_invariants",
            "partition_pass", "verify"]

@@ -34,7 +34,7 @@ class InsertOffloads(Pass):
     name: ClassVar[str] = "insert-offloads"
 
     def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
-        gaps = {(g.buffer, g.after, g.before): g for g in ctx.facts.gaps}
+        gaps = {(g.buffer, g.after, g.before): g for g in (*ctx.facts.gaps, *ctx.facts.rebuild_gaps)}
         groups: dict[int, dict[str, object]] = {}
         for a in ctx.plan.moves():
             groups.setdefault(a.group, {})[a.kind] = a
@@ -92,15 +92,23 @@ class InsertOffloads(Pass):
                 incoming = target
             else:
                 incoming = h
-            with graph.inserting_before(ctx.step_node(pre.step)):
+            with graph.inserting_before(_before(ctx.step_node(pre.step))):
                 h2 = graph.call_function(ops.prefetch, (incoming, ctx.engine_key, device))
             h2.meta["val"] = _fake(ops.prefetch, incoming.meta["val"], ctx.engine_key, device)
             ir.mark(h2, meta("prefetch"))
-            with graph.inserting_before(ctx.step_node(wai.step)):
+            with graph.inserting_before(_before(ctx.step_node(wai.step))):
                 y = graph.call_function(ops.wait, (h2, ctx.engine_key, val.dtype, device, order))
             y.meta["val"] = _fake(ops.wait, h2.meta["val"], ctx.engine_key, val.dtype, device, order)
             ir.mark(y, meta("wait"))
             later = ctx.facts.step_of
+            position: dict[fx.Node, int] = {}
+
+            def after_wait(user: fx.Node) -> bool:
+                """A node the plan's facts do not know (a recompute's, made since) stands after
+                the wait in the graph's order."""
+                if not position:
+                    position.update((n, i) for i, n in enumerate(graph.nodes))
+                return position.get(user, -1) > position[y]
 
             def redirect(old: fx.Node, new: fx.Node) -> None:
                 """Every use of `old` after the gap reads `new` (the output too: what the forward
@@ -110,7 +118,11 @@ class InsertOffloads(Pass):
                 for user in list(old.users):
                     if user in (h, h2, y, new):
                         continue
-                    if source.graph is not graph or later.get(user, -1) >= wai.step or user.op == "output":
+                    step = later.get(user)
+                    if step is None and user.op == "call_function" and user.graph is graph:
+                        step = wai.step if after_wait(user) else -1
+                    if source.graph is not graph or (step if step is not None else -1) >= wai.step \
+                            or user.op == "output":
                         user.replace_input_with(old, new)
                         moved.append(user)
                 _repropagate(moved, keys.get(old))
@@ -137,6 +149,14 @@ class InsertOffloads(Pass):
         n = len(changes)
         return self.report(changes, offload=n, prefetch=n, wait=n)
 
+
+
+def _before(anchor: fx.Node) -> fx.Node:
+    """Where "right before step s" is: before the chain a recompute put before s (it may read
+    what the wait brings back)."""
+    while isinstance(ir.meta(anchor.prev), ir.RecomputeMeta):
+        anchor = anchor.prev
+    return anchor
 
 
 def _layout(n: fx.Node) -> tuple:

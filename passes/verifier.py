@@ -10,6 +10,8 @@ naming the pass and the invariant.
 7. every offload handle reaches exactly one prefetch (directly, or through the forward's outputs
    into one backward placeholder; the other placeholders it reaches are unread), and nothing reads
    the offloaded storage after its offload, through any alias;
+9. each recompute of the plan, once applied, is a chain of nodes in the backward whose last node is
+   read, and the forward no longer saves the tensor it rebuilds;
 and, once the plan is applied (`check_budget`):
 8. the re-analysed graphs, with prefetched data counted from the prefetch on, stay within budget.
 """
@@ -21,7 +23,7 @@ from zinf_compile import ir
 from zinf_compile.analysis import analyze, graph_specs
 from zinf_compile.config import tier_frees_device
 from zinf_compile.errors import ZinfError
-from zinf_compile.ir import FetchMeta, GatherMeta, ReduceMeta, output_node
+from zinf_compile.ir import FetchMeta, GatherMeta, RecomputeMeta, ReduceMeta, output_node
 from zinf_compile.runtime import ops
 
 from .base import Graphs, PassContext
@@ -94,10 +96,36 @@ def check_invariants(graphs: Graphs, ctx: PassContext, after: str) -> None:
             for fw_node, users in reached.items():
                 if len(users) != 1 or users[0].target is not ops.prefetch:
                     _fail(after, f"the saved handle {fw_node.name} reaches {users} in backward, not one prefetch")
+    _check_recomputes(graphs, ctx, after)
     for group, nodes in ctx.inserted.items():
         if not nodes["wait"].users:
             _fail(after, f"the wait {nodes['wait'].name} of group {group} has no users: the tensor came back for "
                          "nothing")
+
+
+def _check_recomputes(graphs: Graphs, ctx: PassContext, after: str) -> None:
+    """Invariant 9, once the recompute pass ran (its nodes are there, or it is the pass just run)."""
+    if "backward" not in graphs or ctx.plan is None or not ctx.plan.recomputes():
+        return
+    chains: dict[int, list[fx.Node]] = {}
+    for n in graphs["backward"].graph.nodes:
+        m = ir.meta(n)
+        if isinstance(m, RecomputeMeta):
+            chains.setdefault(m.group, []).append(n)
+    if not chains and after != "recompute":
+        return
+    want = {a.group: a for a in ctx.plan.recomputes()}
+    if set(chains) != set(want):
+        _fail(after, f"recomputes {sorted(want)} planned, chains of {sorted(chains)} in the backward")
+    flat: list = []
+    fx.node.map_arg(output_node(graphs["forward"].graph).args[0], flat.append)
+    saved = {n.name for n in flat[max(ctx.num_fwd_outputs, 0):]}
+    for group, nodes in chains.items():
+        last = nodes[-1]
+        if not last.users:
+            _fail(after, f"the recompute {group} rebuilds {ir.meta(last).of} as {last.name}, which nothing reads")
+        if ir.meta(last).of in saved:
+            _fail(after, f"the forward still saves {ir.meta(last).of}, which the recompute {group} rebuilds")
 
 
 def _storage(n: fx.Node):
@@ -177,7 +205,8 @@ def check_budget(graphs: Graphs, ctx: PassContext, plan, after: str = "fetch-ahe
         pre, y = nodes["prefetch"], nodes["wait"]
         live[facts.step_of[pre]:facts.step_of[y]] += facts.buffers[where[y]].nbytes
     peak = int(live.max()) if len(live) else 0
-    if tier_frees_device(plan.tier, plan.device) and peak > plan.budget and (plan.moves() or plan.params):
+    frees = tier_frees_device(plan.tier, plan.device)
+    if peak > plan.budget and ((frees and (plan.moves() or plan.params)) or (not plan.moves() and plan.recomputes())):
         _fail(after, f"simulated peak {peak} bytes is over the budget {plan.budget}")
     return peak
 

@@ -10,7 +10,7 @@ import torch
 from zinf_compile.capture import capture
 from zinf_compile.cost import BUILTIN
 from zinf_compile import ir
-from zinf_compile.passes import InsertOffloads, PassContext, PinOrder, verify
+from zinf_compile.passes import InsertOffloads, PassContext, PinOrder, Recompute, check_invariants, verify
 from zinf_compile.pipeline import plan_graphs
 
 from gpt import build as build_gpt
@@ -53,6 +53,7 @@ def test_passes_rewrite_verify_and_pin(gpt_graphs):
     graphs = {k: copy.deepcopy(v) for k, v in graphs.items()}
     facts, plan = plan_graphs(graphs, nfo, BUDGET, BUILTIN["cpu"], "nvme")
     ctx = PassContext(num_fwd_outputs=nfo, engine_key=1, plan=plan, facts=facts)
+    check_invariants(graphs, ctx, Recompute().apply(graphs, ctx).name)  # the plan rebuilds gelu's output
     report = InsertOffloads().apply(graphs, ctx)
     n = plan.action_counts()["offload"]
     assert report.counts == {"offload": n, "prefetch": n, "wait": n}
@@ -82,6 +83,7 @@ def rewritten(gpt_graphs, budget=BUDGET):
     graphs = {k: copy.deepcopy(v) for k, v in graphs.items()}
     facts, plan = plan_graphs(graphs, nfo, budget, BUILTIN["cpu"], "nvme")
     ctx = PassContext(num_fwd_outputs=nfo, engine_key=1, plan=plan, facts=facts)
+    Recompute().apply(graphs, ctx)
     InsertOffloads().apply(graphs, ctx)
     return ctx, nfo, graphs
 
@@ -91,12 +93,13 @@ def test_inserted_ops_stand_where_the_plan_anchors_them(gpt_graphs):
     other zinf ops anchored at the same place)."""
     ctx, _, _ = rewritten(gpt_graphs)
     zinf_ops = (torch.ops.zinf.offload.default, torch.ops.zinf.prefetch.default, torch.ops.zinf.wait.default)
-    for a in ctx.plan.actions:
+    for a in ctx.plan.moves():
         node = ctx.inserted[a.group][a.kind]
         anchor = ctx.step_node(a.step)
         step = node.prev if a.kind == "offload" else node.next
         views = torch.ops.aten.as_strided.default  # a wait's rebuilt views follow it
-        while step.target in zinf_ops or step.target is views:  # skip neighbours inserted at the same anchor
+        while step.target in zinf_ops or step.target is views or isinstance(ir.meta(step), ir.RecomputeMeta):
+            # skip neighbours inserted at the same anchor (a recompute's chain: waits stand before it)
             step = step.prev if a.kind == "offload" else step.next
         assert step is anchor, (a, node.name, anchor.name, step.name)
 
@@ -148,9 +151,9 @@ def test_stall_prediction_against_hand_computed_cases(gpt_graphs):
     from zinf_compile.planner import simulate
 
     facts, plan = planned(gpt_graphs)
-    gaps = {(g.buffer, g.after, g.before): g for g in facts.gaps}
+    gaps = {(g.buffer, g.after, g.before): g for g in (*facts.gaps, *facts.rebuild_gaps)}
     groups: dict = {}
-    for a in plan.actions:
+    for a in plan.moves():
         groups.setdefault(a.group, {})[a.kind] = a
     chosen = [gaps[(g["offload"].tensor, g["offload"].step, g["wait"].step)] for g in groups.values()]
     nbytes = {b.id: b.nbytes for b in facts.buffers}
@@ -162,7 +165,9 @@ def test_stall_prediction_against_hand_computed_cases(gpt_graphs):
     fast = replace(BUILTIN["cpu"], nvme_read_bw=1e15, nvme_write_bw=1e15)
     _, stall = simulate(facts, chosen, [g.after + 1 for g in chosen], nbytes, fast, "nvme")
     assert stall < 1e-6
-    assert plan.predicted_stall_s > 0 and plan.predicted_compute_s == pytest.approx(compute)
+    rebuilt = {(r.buffer, r.before): r.est_time_s for r in facts.recomputes}  # their chains are compute too
+    more = sum(rebuilt[(a.tensor, a.step)] for a in plan.recomputes())
+    assert plan.predicted_stall_s > 0 and plan.predicted_compute_s == pytest.approx(compute + more)
 
 
 # -- the parameter levers' invariants, each broken by hand ----------------------------------------

@@ -12,7 +12,11 @@ against a brute-force oracle that does not share code with zinf:
 * the planner: feasible exactly when some subset of gaps is, its timeline_after recomputed from
   its actions, deterministic, JSON round trip;
 * the rewrite: InsertOffloads + verify, then the rewritten graph run with a real NVMe engine gives
-  bitwise the original outputs and leaves no swap files behind.
+  bitwise the original outputs and leaves no swap files behind;
+* recompute, on forward/backward pairs of differentiated programs (section 6): the lower bound is
+  the peak of a usable set of levers and no lower than the brute-force optimum over every usable
+  subset of gaps and recomputes; plans fit, use compatible levers, and their timeline is the
+  levers' effects; the rewrite (Recompute, InsertOffloads) runs bit for bit like the original.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from props import props
 from zinf_compile.analysis.facts import GraphSpec, analyze
 from zinf_compile.cost import BUILTIN, step_cost
 from zinf_compile.errors import BudgetError
-from zinf_compile.passes import InsertOffloads, PassContext, verify
+from zinf_compile.passes import InsertOffloads, PassContext, check_invariants, verify
 from zinf_compile.plan import Plan
 from zinf_compile.planner import make_plan
 from zinf_compile.runtime import close_all, register_engine
@@ -280,7 +284,7 @@ def plan_timeline(facts, plan: Plan) -> list[int]:
 
 def _groups(plan: Plan) -> dict[int, dict[str, object]]:
     groups: dict[int, dict[str, list]] = {}
-    for a in plan.actions:
+    for a in plan.moves():
         groups.setdefault(a.group, {}).setdefault(a.kind, []).append(a)
     for g, acts in groups.items():
         assert sorted(acts) == ["offload", "prefetch", "wait"], f"group {g}: {acts}"
@@ -571,3 +575,210 @@ def test_dense_dim_order_adds_no_guards():
     assert dense_dim_order(tt) == [1, 0]
     assert dense_dim_order(x[:, ::2]) is None
     assert len(env.guards) == before
+
+
+# -- 6. recompute, on forward/backward pairs -------------------------------------------------------
+#
+# The same random programs, differentiated: AOT's joint graph split by torch's default partition
+# (it saves every value the backward reads, recomputing nothing itself), so saved outputs of cheap
+# ops are common. The levers are every gap and every recompute candidate; the oracle tries every
+# subset of them that can be used together (no lever of a storage twice, no leaf away or rebuilt
+# when a chain reads it; a leaf's gap cut short at a rebuild is a lever too) and applies each one's effect directly: a gap's bytes absent strictly
+# inside it, a recompute's storage absent from its last forward step to its rebuild and its chain's
+# intermediates present at the rebuild.
+
+MAX_LEVERS = 14  # 2**14 subsets, checked at once with numpy
+
+
+@st.composite
+def joint_programs(draw) -> Program:
+    """Programs with a saved value the backward can rebuild: A = mm(x, w), B = cheap(A),
+    C = B * A (its backward reads both), sometimes a second link D = cheap(C), E = D * C; then
+    random ops; B is read again at the end (a long stretch to free around the peak)."""
+    n, k, m = (draw(st.sampled_from(DIMS)) for _ in range(3))
+    cheap = ("neg", "clone")  # relu's backward saves its output under a second name (detach): no candidate
+    ops = [("mm", (0, 1), 0), (draw(st.sampled_from(cheap)), (2,), 0), ("mul", (3, 2), 0)]
+    shapes: list[tuple[int, ...]] = [(n, k), (k, m), (n, m), (n, m), (n, m)]
+    links = [4]
+    if draw(st.booleans()):
+        ops += [(draw(st.sampled_from(cheap)), (4,), 0), ("mul", (5, 4), 0)]
+        shapes += [(n, m), (n, m)]
+        links.append(6)
+    for _ in range(draw(st.integers(1, 4))):
+        a = draw(st.integers(2, len(shapes) - 1))
+        name = draw(st.sampled_from(("relu", "neg", "clone", "add", "mul", "t")))
+        args, out = (a,), shapes[a]
+        if name in ("add", "mul"):
+            args = (a, draw(st.sampled_from([i for i, sh in enumerate(shapes) if i >= 2 and sh == shapes[a]])))
+        elif name == "t":
+            out = shapes[a][::-1]
+        ops.append((name, args, 0))
+        shapes.append(out)
+    last = len(shapes) - 1
+    ops.append(("sum", (3,), 0))
+    outputs = tuple(sorted({*links, last, last + 1}))  # the links' products feed the loss: not dead code
+    return Program(((n, k), (k, m)), tuple(ops), outputs, draw(st.integers(0, 2**16)))
+
+
+@dataclass
+class Joint:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+    prog: Program
+
+
+def trace_joint(prog: Program) -> Joint:
+    from functorch.compile import aot_function, default_partition, nop
+
+    cap: dict = {}
+
+    def part(joint, joint_inputs, **kw):
+        fw, bw = default_partition(joint, joint_inputs, **kw)
+        cap.update(fw=fw, bw=bw, n=kw["num_fwd_outputs"])
+        return fw, bw
+
+    inputs = [t.requires_grad_() for t in prog.inputs()]
+    outs = aot_function(prog.fn(), nop, nop, partition_fn=part)(*inputs)
+    sum(o.sum() for o in outs).backward()
+    return Joint(cap["fw"], cap["bw"], cap["n"], prog)
+
+
+def joint_facts(j: Joint, profile=PROFILE):
+    from zinf_compile.analysis.graphs import graph_specs
+
+    return analyze(graph_specs({"forward": j.fw, "backward": j.bw}, j.num_fwd_outputs), device="cpu",
+                   step_cost=step_cost(profile))
+
+
+def _conflict(x, y) -> bool:
+    """Whether levers x and y cannot be used together (the oracle's own statement of the rule)."""
+    from zinf_compile.analysis.recompute import Recompute
+
+    if isinstance(x, Recompute) and isinstance(y, Recompute):
+        return x is not y and (x.buffer in y.leaf_buffers or y.buffer in x.leaf_buffers)
+    if isinstance(y, Recompute):
+        x, y = y, x
+    if isinstance(x, Recompute):  # y a gap: of its storage, or of a leaf, away across the rebuild
+        return y.buffer == x.buffer or (y.buffer in x.leaf_buffers and y.after < x.before < y.before)
+    # two gaps of one storage that overlap (a leaf's gap and the same cut short at a rebuild)
+    return x is not y and x.buffer == y.buffer and x.after < y.before and y.after < x.before
+
+
+def _compatible(levers) -> bool:
+    return not any(_conflict(x, y) for i, x in enumerate(levers) for y in levers[i + 1:])
+
+
+def lever_peaks(facts) -> tuple[np.ndarray, np.ndarray, list]:
+    """(peak, usable) for every subset of the levers (bit i: lever i used), and the levers."""
+    levers = [*facts.gaps, *facts.rebuild_gaps, *facts.recomputes]
+    k, n = len(levers), len(facts.live)
+    effect = np.zeros((k, n), dtype=np.int64)  # bytes each lever takes off each step
+    for i, x in enumerate(levers):
+        if hasattr(x, "chain"):
+            effect[i, x.after + 1:x.before] = x.nbytes
+            effect[i, x.before] -= x.temp_nbytes
+        else:
+            effect[i, x.after + 1:x.before] = facts.buffers[x.buffer].nbytes
+    clash = np.array([[_conflict(x, y) for y in levers] for x in levers], dtype=np.int64).reshape(k, k)
+    masks = (np.arange(2**k)[:, None] >> np.arange(k)[None, :]) & 1
+    peaks = (facts.live[None, :] - masks @ effect).max(axis=1)
+    usable = ((masks @ clash) * masks).sum(axis=1) == 0
+    return peaks, usable, levers
+
+
+def _with_recompute(data):
+    """A forward/backward pair with a recompute candidate."""
+    j = trace_joint(data.draw(joint_programs(), label="program"))
+    facts = joint_facts(j)
+    assume(facts.recomputes and len(facts.gaps) + len(facts.rebuild_gaps) + len(facts.recomputes) <= MAX_LEVERS)
+    return j, facts
+
+
+@props(25)
+@given(st.data())
+def test_recompute_lower_bound_and_plan_against_brute_force(data):
+    j, facts = _with_recompute(data)
+    peaks, usable, levers = lever_peaks(facts)
+    best = int(peaks[usable].min())
+    # the floor is the peak of one usable set of levers (every gap, the recomputes it can add)
+    assert facts.lower_bound in {int(p) for p in peaks[usable]}
+    assert best <= facts.lower_bound <= facts.peak
+    # the edges, and (most often) inside, where the planner has a choice to make
+    where = [best - 1, facts.lower_bound, facts.peak, *(best + (facts.peak - best) * q // 8 for q in range(1, 8))]
+    budget = where[data.draw(st.integers(0, len(where) - 1), label="budget")]
+    try:
+        plan = make_plan(facts, budget, PROFILE, TIER)
+    except BudgetError:
+        assert budget < facts.lower_bound, f"no plan for {budget} >= the lower bound {facts.lower_bound}"
+        return
+    assert budget >= best, f"a plan for budget {budget} below the brute-force optimum {best}"
+    assert plan.peak_after <= budget
+    recs = {(a.tensor, a.step): a for a in plan.recomputes()}
+    assert len(recs) == len(plan.recomputes()), "a tensor is rebuilt once"
+    assert sorted(a.group for a in plan.recomputes()) == list(range(len(recs)))
+    event(f"recomputes chosen: {min(len(recs), 2)}")
+    by_key = {(r.buffer, r.before): r for r in facts.recomputes}
+    chosen = [by_key[k] for k in recs]
+    gaps = {(g.buffer, g.after, g.before): g for g in (*facts.gaps, *facts.rebuild_gaps)}
+    moved = [gaps[(a.tensor, a.step, w.step)] for a in plan.actions if a.kind == "offload"
+             for w in plan.actions if w.kind == "wait" and w.group == a.group]
+    assert _compatible([*moved, *chosen]), "the plan's levers can be used together"
+    # its timeline: the facts' with each lever's effect (prefetches count from their step on)
+    live = facts.live.astype(np.int64).copy()
+    for r in chosen:
+        live[r.after + 1:r.before] -= r.nbytes
+        live[r.before] += r.temp_nbytes
+    for acts in _groups(plan).values():
+        live[acts["offload"].step + 1:acts["prefetch"].step] -= acts["offload"].nbytes
+    assert list(plan.timeline_after) == [int(x) for x in live]
+    assert plan.predicted_compute_s == pytest.approx(sum(s.est_time_s for s in facts.steps)
+                                                     + sum(r.est_time_s for r in chosen))
+    assert make_plan(facts, budget, PROFILE, TIER) == plan
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+@props(20)
+@given(st.data())
+def test_recompute_rewrite_runs_bitwise_equal(data):
+    """The plan applied (recompute, then offloads) to the forward and backward, verified, run for
+    real with an NVMe engine: the user's outputs and every gradient bit for bit as before, the
+    forward saving fewer tensors, and the re-analysed peak within the budget."""
+    from zinf_compile.passes import Recompute
+
+    j, facts = _with_recompute(data)
+    inputs = j.prog.inputs()
+    fw_out = j.fw(*inputs)
+    n = j.num_fwd_outputs
+    tangents = [torch.ones(p.meta["val"].shape) for p in j.bw.graph.find_nodes(op="placeholder")
+                if p.name.startswith("tangents")]  # AOT's names: one per output that needs a gradient
+    expected = (list(fw_out[:n]), list(j.bw(*fw_out[n:], *tangents)))
+    peaks, usable, _ = lever_peaks(facts)
+    where = [facts.lower_bound + (facts.peak - facts.lower_bound) * q // 8 for q in range(2, 8)]
+    budget = where[data.draw(st.integers(0, len(where) - 1), label="budget")]
+    plan = make_plan(facts, budget, PROFILE, TIER)
+    assume(plan.recomputes())
+    event(f"with offloads: {bool(plan.moves())}")
+    graphs = {"forward": j.fw, "backward": j.bw}
+    ctx = PassContext(num_fwd_outputs=n, engine_key=ENGINE_KEY, plan=plan, facts=facts)
+    saved_before = len(fw_out) - n
+    for p in (Recompute(), InsertOffloads()):
+        report = p.apply(graphs, ctx)
+        for gm in graphs.values():
+            gm.graph.lint()
+            gm.recompile()
+        check_invariants(graphs, ctx, report.name)
+    assert verify(ctx, n, report.name, graphs) <= budget
+    with tempfile.TemporaryDirectory(prefix="zinf-props-") as tmp:
+        try:
+            register_engine(ENGINE_KEY, "nvme", tmp, 2, False)
+            out = j.fw(*inputs)
+            assert len(out) - n == saved_before - len(plan.recomputes())
+            grads = j.bw(*out[n:], *tangents)
+            for a, b in zip([*out[:n], *grads], [*expected[0], *expected[1]]):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+            del out, grads
+        finally:
+            close_all()

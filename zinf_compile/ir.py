@@ -9,6 +9,7 @@ planner and verifier share. Nothing compares kind strings: a node is a gather wh
     ReduceMeta   a node along a gradient's reduction into its shard
     MoveMeta     an activation's offload / prefetch / wait, or the backward's handle placeholder
     TileMeta     one tile of a tiled matmul
+    RecomputeMeta  a node of a chain re-run in the backward to rebuild a saved activation
 """
 from __future__ import annotations
 
@@ -82,7 +83,14 @@ class TileMeta:
     grad: bool = False
 
 
-Meta = ParamMeta | GatherMeta | FetchMeta | ReduceMeta | MoveMeta | TileMeta
+@dataclass(frozen=True)
+class RecomputeMeta:
+    group: int  # the plan's recompute action
+    buffer: int
+    of: str  # the forward node it re-runs
+
+
+Meta = ParamMeta | GatherMeta | FetchMeta | ReduceMeta | MoveMeta | TileMeta | RecomputeMeta
 
 
 def meta(node: fx.Node) -> Meta | None:

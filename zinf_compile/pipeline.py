@@ -10,7 +10,8 @@
     keep-resident    the others                 keep-resident
     allreduce-grads  (several ranks)
     tile-matmuls                                tile-matmuls
-        analyse; planner C: fetches, activation moves -> the Plan
+        analyse; planner C: fetches, activation moves, recomputes -> the Plan
+    recompute        saved tensors rebuilt in backward
     insert-offloads                             insert-offloads
     fetch-ahead                                 fetch-ahead
     (pin-order runs later, in Inductor's post-grad hook, on each graph)
@@ -140,7 +141,7 @@ def compile_inference(gm: fx.GraphModule, req: Request) -> Compiled:
 
 
 def _plan_and_apply(d: _Driver, graphs: Graphs) -> Compiled:
-    from zinf_compile.passes import AllReduceGrads, FetchAhead, InsertOffloads, KeepResident, TileMatmuls
+    from zinf_compile.passes import AllReduceGrads, FetchAhead, InsertOffloads, KeepResident, Recompute, TileMatmuls
     from zinf_compile.passes.tiling import merged_candidates, split_bounds
     from zinf_compile.passes.verifier import check_budget
 
@@ -185,7 +186,8 @@ def _plan_and_apply(d: _Driver, graphs: Graphs) -> Compiled:
     plan = dataclasses.replace(plan, notes=(*decisions, *plan.notes))
     d.seconds["plan"] = time.perf_counter() - t0
     d.ctx.plan, d.ctx.facts = plan, facts
-    d.run(graphs, [InsertOffloads(), FetchAhead(req.model.fetch_holds_memory)])
+    d.run(graphs, [*([Recompute()] if plan.recomputes() else []), InsertOffloads(),
+                   FetchAhead(req.model.fetch_holds_memory)])
     peak = check_budget(graphs, d.ctx, plan) if req.verify else None
     if not req.model.frees_device and plan.moves():
         warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "

@@ -13,11 +13,14 @@ from typing import Any, Literal
 
 PLAN_VERSION = 1
 
-# offload/prefetch/wait move activations (group >= 0: one gap each); gather/release/reduce are a
-# managed parameter's (group = -1 - its id): its shard's read started early (fetch), gathered whole
-# before use, released after the last use, its gradient reduce-scattered into the shard.
-ActionKind = Literal["offload", "prefetch", "wait", "fetch", "gather", "release", "reduce"]
+# offload/prefetch/wait move activations (group >= 0: one gap each); recompute rebuilds a saved
+# activation in the backward right before its step instead of keeping it (group >= 0: one each, its
+# tier "device"); gather/release/reduce are a managed parameter's (group = -1 - its id): its
+# shard's read started early (fetch), gathered whole before use, released after the last use, its
+# gradient reduce-scattered into the shard.
+ActionKind = Literal["offload", "prefetch", "wait", "recompute", "fetch", "gather", "release", "reduce"]
 Tier = Literal["cpu", "nvme"]
+ActionTier = Literal["cpu", "nvme", "device"]
 TensorRole = Literal["input", "activation", "saved", "output", "gradient", "tangent"]
 
 
@@ -54,8 +57,8 @@ class TensorLife:
 class Action:
     kind: ActionKind
     tensor: int  # TensorLife.id
-    step: int  # anchor step (after it for offload; before it for prefetch/wait)
-    tier: Tier
+    step: int  # anchor step (after it for offload; before it for prefetch/wait/recompute)
+    tier: ActionTier
     nbytes: int
     group: int  # offload/prefetch/wait of one gap share a group id
 
@@ -119,8 +122,12 @@ class Plan:
         return counts
 
     def moves(self) -> tuple[Action, ...]:
-        """The activation actions (offload/prefetch/wait), without the parameters' ones."""
-        return tuple(a for a in self.actions if a.group >= 0)
+        """The activation moves (offload/prefetch/wait), without the parameters' ones."""
+        return tuple(a for a in self.actions if a.group >= 0 and a.kind != "recompute")
+
+    def recomputes(self) -> tuple[Action, ...]:
+        """The saved activations rebuilt in the backward instead of kept."""
+        return tuple(a for a in self.actions if a.kind == "recompute")
 
     def fetches(self) -> tuple[Action, ...]:
         """The parameters' shard reads started ahead of their gathers."""

@@ -18,8 +18,10 @@ C. `make_plan`, on the facts of the rewritten graphs:
    2. If the timeline fits the budget, no activation moves. The lower bound is the floor's peak
       (every gap used, every prefetch just in time); above the budget no plan exists: BudgetError
       names both numbers.
-   3. Greedy cover: gaps by bytes x length, each only if it frees memory at a step still over the
-      budget; then drop any gap the others make unnecessary (last taken first).
+   3. Greedy cover (`choose_levers`): stretches a storage can be away, by bytes x length, each only
+      if it frees memory at a step still over the budget, by the cheaper lever: offload (the
+      transfer out and back) or, for a saved tensor the backward can rebuild from what it has,
+      recompute (the chain's compute); then drop any the others make unnecessary (last first).
    4. Prefetch distance (one walk for activations and shards, `_ahead`): back from the use until
       the read is hidden under the compute of the steps it spans, within the budget.
    5. Simulate: compute and one I/O channel in time; a wait or gather whose read is not done
@@ -36,6 +38,7 @@ import numpy as np
 
 from zinf_compile import ir
 from zinf_compile.analysis.facts import Gap, GraphFacts, paused_gc
+from zinf_compile.analysis.recompute import Recompute
 from zinf_compile.analysis.params import ParamFact, buffer_index, parameter_reads
 from zinf_compile.config import tier_frees_device
 from zinf_compile.cost import DeviceProfile
@@ -334,10 +337,11 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str,
     lower_bound = int(floor.max()) if len(floor) else 0
     notes: list[str] = []
     chosen: list[Gap] = []
+    rebuilt: list[Recompute] = []
     if len(live) and live.max() > budget:
         if lower_bound > budget:
             raise BudgetError(budget, lower_bound, lower_bound)
-        chosen = _cover(facts.gaps, nbytes, live, budget)
+        chosen, rebuilt = choose_levers(facts, nbytes, live, budget, profile, tier, frees)
     prefetch_at = _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier)
     if any(b.size_expr.free_symbols for b in facts.buffers):
         notes.append("sizes are symbolic: planned at the size hints of the first compile; larger "
@@ -354,16 +358,28 @@ def make_plan(facts: GraphFacts, budget: int, profile: DeviceProfile, tier: str,
         actions.append(Action("offload", g.buffer, g.after, tier, n, group))
         actions.append(Action("prefetch", g.buffer, prefetch_at[group], tier, n, group))
         actions.append(Action("wait", g.buffer, g.before, tier, n, group))
+    for group, r in enumerate(rebuilt):
+        actions.append(Action("recompute", r.buffer, r.before, "device", r.nbytes, group))
     param_actions, reads, writes = _param_actions(facts, params, fetches, profile)
     actions += param_actions
-    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.group))
-    compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier, reads, writes)
+    actions.sort(key=lambda a: (a.step, a.kind != "offload", a.kind == "recompute", a.group))
+    compute_s, stall_s = simulate(facts, chosen, prefetch_at, nbytes, profile, tier, reads, writes,
+                                  [(r.before, r.est_time_s) for r in rebuilt])
     moved = {tier: sum(2 * nbytes[g.buffer] for g in chosen)} if chosen else {}
     for a in param_actions:  # each gather reads its shard (or a tile's share) once, each reduce writes it
         if a.kind in ("gather", "reduce"):
             moved[a.tier] = moved.get(a.tier, 0) + _tier_bytes(a, params)
-    after = live if frees else facts.live.copy()  # the CPU tier of a CPU device frees nothing
-    shown = {g.buffer for g in chosen} | {a.tensor for a in param_actions}
+    if not frees:  # the CPU tier of a CPU device frees nothing; a recompute frees all the same
+        after = facts.live.astype(np.int64).copy()
+        for r in rebuilt:
+            _apply_recompute(after, r, +1)
+    else:
+        after = live
+    if rebuilt:
+        notes.append(f"recompute: {len(rebuilt)} saved tensor(s) rebuilt in backward "
+                     f"({sum(r.nbytes for r in rebuilt)} bytes not kept, "
+                     f"{sum(r.est_time_s for r in rebuilt) * 1e3:.3f} ms of compute predicted)")
+    shown = {g.buffer for g in chosen} | {r.buffer for r in rebuilt} | {a.tensor for a in param_actions}
     return Plan(
         version=PLAN_VERSION,
         graphs=facts.graphs,
@@ -450,26 +466,127 @@ def _tier_of(node) -> str:
     return "nvme"
 
 
-def _cover(gaps, nbytes, live: np.ndarray, budget: int) -> list[Gap]:
-    """Greedy: gaps that free memory where the timeline is over budget, biggest first."""
-    order = sorted(gaps, key=lambda g: (-nbytes[g.buffer] * (g.before - g.after - 1), g.after, g.buffer))
-    chosen: list[Gap] = []
-    for g in order:
-        span = live[g.after + 1:g.before]
-        if not len(span) or span.max() <= budget:
+def _apply_recompute(live: np.ndarray, r: Recompute, sign: int) -> None:
+    """A recompute's effect on a timeline (sign +1: taken; -1: given back): its storage gone from
+    its last forward step to its rebuild, the chain's intermediates held at the rebuild."""
+    live[r.after + 1:r.before] -= sign * r.nbytes
+    live[r.before] += sign * r.temp_nbytes
+
+
+def offload_cost(n: int, profile: DeviceProfile, tier: str, frees: bool) -> float:
+    """What moving n bytes out and back costs, to weigh against a recompute: the write (synchronous)
+    and the read (on the one I/O channel the fetches share); unbounded where the tier frees nothing."""
+    if not frees:
+        return math.inf
+    return profile.transfer_time(n, tier, "out") + profile.transfer_time(n, tier, "in")
+
+
+def choose_levers(facts: GraphFacts, nbytes, live: np.ndarray, budget: int, profile: DeviceProfile, tier: str,
+                  frees: bool = True) -> tuple[list[Gap], list[Recompute]]:
+    """The gaps to offload and the saved tensors to recompute (step C.3), `live` updated.
+
+    Each stretch a storage can be away is one candidate (a gap, a recompute, or both: a saved
+    tensor's gap across forward and backward is the stretch its recompute frees). Greedy over the
+    stretches by bytes x length, each only if it frees memory at a step still over the budget:
+    first the recomputes whose chain costs less than moving the tensor out and back (or that have
+    no gap), then the gaps (a recompute where its gap is shut out). A recompute excludes every gap
+    of its own storage and the gaps of its leaves that span its rebuild, and the recompute of a
+    leaf. Then drop what the others make unnecessary (last taken first). If the
+    result does not fit (a preferred recompute shut out gaps the floor counts on), the same with
+    only the recomputes the floor counts (analysis.recompute.in_floor)."""
+    from zinf_compile.analysis.recompute import in_floor
+
+    start = live.copy()
+    gaps, recs = _cover_with(facts.gaps, facts.recomputes, nbytes, live, budget, profile, tier, frees,
+                             facts.rebuild_gaps)
+    if live.max() > budget and recs:
+        live[:] = start
+        only = tuple(r for r in facts.recomputes if in_floor(r, facts.gaps, facts.recomputes))
+        gaps, recs = _cover_with(facts.gaps, only, nbytes, live, budget, profile, tier, frees)
+    return gaps, recs
+
+
+def _cover_with(gaps, recomputes, nbytes, live, budget, profile, tier, frees,
+                cut_gaps=()) -> tuple[list[Gap], list[Recompute]]:
+    from zinf_compile.analysis.recompute import conflicts
+
+    cuts: dict[tuple[int, int], list[Gap]] = {}  # (buffer, after) -> its gap cut at each rebuild, longest first
+    for c in sorted(cut_gaps, key=lambda c: -c.before):
+        cuts.setdefault((c.buffer, c.after), []).append(c)
+    rec_of = {(r.buffer, r.after, r.before): r for r in recomputes}
+    gap_of = {(g.buffer, g.after, g.before): g for g in gaps}
+    keys = sorted({*rec_of, *gap_of}, key=lambda k: (-nbytes[k[0]] * (k[2] - k[1] - 1), k[1], k[0], k[2]))
+    taken: list = []  # Gap | Recompute, in the order taken
+    # indexes of what is taken, so that each check looks only at the storages it concerns
+    rec_near: dict[int, list[Recompute]] = {}  # buffer -> taken recomputes of it or reading it
+    gaps_of: dict[int, list[Gap]] = {}  # buffer -> its taken gaps
+    rebuilt: set[int] = set()
+    read_by_rebuilt: set[int] = set()
+
+    def allowed_gap(g) -> bool:
+        return not any(conflicts(t, g) for t in rec_near.get(g.buffer, ()))
+
+    def allowed_rec(r) -> bool:
+        if r.buffer in rebuilt or r.buffer in gaps_of or r.buffer in read_by_rebuilt:
+            return False
+        if any(lb in rebuilt or any(conflicts(r, g) for g in gaps_of.get(lb, ())) for lb in r.leaf_buffers):
+            return False
+        # its intermediates add to the step it rebuilds for: only where that stays within the budget
+        return r.temp_nbytes == 0 or live[r.before] + r.temp_nbytes <= budget
+
+    def take(t) -> None:
+        taken.append(t)
+        if isinstance(t, Gap):
+            live[t.after + 1:t.before] -= nbytes[t.buffer]
+            gaps_of.setdefault(t.buffer, []).append(t)
+            return
+        _apply_recompute(live, t, +1)
+        rebuilt.add(t.buffer)
+        read_by_rebuilt.update(t.leaf_buffers)
+        for b in {t.buffer, *t.leaf_buffers}:
+            rec_near.setdefault(b, []).append(t)
+
+    def over(k) -> bool:
+        span = live[k[1] + 1:k[2]]
+        return bool(len(span)) and span.max() > budget
+
+    # first the recomputes cheaper than moving (a leaf's gap taken first would shut them out)
+    for k in keys:
+        r = rec_of.get(k)
+        if r is None or live.max() <= budget or not over(k) or not allowed_rec(r):
             continue
-        span -= nbytes[g.buffer]
-        chosen.append(g)
+        if k not in gap_of or r.est_time_s < offload_cost(r.nbytes, profile, tier, frees):
+            take(r)
+    for k in keys:
         if live.max() <= budget:
             break
+        if not over(k):
+            continue
+        r, g = rec_of.get(k), gap_of.get(k)
+        if g is not None and allowed_gap(g):
+            take(g)
+        elif r is not None and allowed_rec(r):
+            take(r)
+        elif g is not None:  # shut out by a rebuild that reads it: the leaf back for the chain
+            cut = next((c for c in cuts.get((g.buffer, g.after), ()) if allowed_gap(c)), None)
+            if cut is not None and cut.before - cut.after >= 2 and g.buffer not in gaps_of:
+                take(cut)
     # drop what the others make unnecessary, most recently taken first
-    for g in reversed(list(chosen)):
-        span = live[g.after + 1:g.before]
-        if (span + nbytes[g.buffer]).max() <= budget:
-            span += nbytes[g.buffer]
-            chosen.remove(g)
-    chosen.sort(key=lambda g: (g.after, g.buffer))
-    return chosen
+    for t in reversed(list(taken)):
+        if isinstance(t, Recompute):
+            back = live.copy()
+            _apply_recompute(back, t, -1)
+            if back.max() <= budget:
+                live[:] = back
+                taken.remove(t)
+            continue
+        span = live[t.after + 1:t.before]
+        if (span + nbytes[t.buffer]).max() <= budget:
+            span += nbytes[t.buffer]
+            taken.remove(t)
+    chosen = sorted((t for t in taken if isinstance(t, Gap)), key=lambda g: (g.after, g.buffer))
+    rebuilt = sorted((t for t in taken if isinstance(t, Recompute)), key=lambda r: (r.before, r.buffer))
+    return chosen, rebuilt
 
 
 def _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier) -> list[int]:
@@ -496,11 +613,13 @@ def _place_prefetches(facts, chosen, nbytes, live, budget, profile, tier) -> lis
     return at
 
 
-def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier, reads=(), writes=()) -> tuple[float, float]:
+def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier, reads=(), writes=(),
+             recomputes=()) -> tuple[float, float]:
     """(compute seconds, stall seconds): steps run back to back; reads queue on one channel and
     start at their prefetch (or fetch) step; a wait (or gather) stalls until its read is done.
     Writes (offloads, gradient reduces) are synchronous. `reads`: more (start, use, seconds),
-    `writes`: more (step, seconds), beside the activation moves of `chosen`."""
+    `writes`: more (step, seconds), beside the activation moves of `chosen`; `recomputes`: (step,
+    seconds) of compute run right before a step (a chain rebuilding a saved tensor)."""
     starts: dict[int, list[int]] = {}
     waits: dict[int, list[int]] = {}
     outs: dict[int, float] = {}
@@ -513,12 +632,18 @@ def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier, read
         outs[g.after] = outs.get(g.after, 0.0) + profile.transfer_time(nbytes[g.buffer], tier, "out")
     for s, w in writes:
         outs[s] = outs.get(s, 0.0) + w
+    extra: dict[int, float] = {}  # recomputes: the chain's compute right before its step
+    for s, c in recomputes:
+        extra[s] = extra.get(s, 0.0) + c
     clock = channel = stall = compute = 0.0
     done: dict[int, float] = {}
     for s in facts.steps:
         for i in starts.get(s.index, ()):
             channel = max(channel, clock) + xfers[i][2]
             done[i] = channel
+        more = extra.get(s.index, 0.0)
+        clock += more
+        compute += more
         for i in waits.get(s.index, ()):
             if done[i] > clock:
                 stall += done[i] - clock

@@ -75,7 +75,9 @@ class GraphFacts:
     live: np.ndarray = field(repr=False)  # device bytes live at each step
     working_set: np.ndarray = field(repr=False)  # bytes the step itself reads and writes
     lower_bound: int = 0  # peak when every gap is used (prefetch just in time)
-    floor: np.ndarray | None = field(default=None, repr=False)  # per step: live bytes no gap can free
+    floor: np.ndarray | None = field(default=None, repr=False)  # per step: live bytes no lever can free
+    recomputes: tuple = ()  # analysis.recompute.Recompute: saved activations the backward can rebuild
+    rebuild_gaps: tuple[Gap, ...] = ()  # leaves' gaps cut short at a rebuild (analysis.recompute.rebuild_gaps)
 
     @property
     def peak(self) -> int:
@@ -243,9 +245,19 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
     live = np.cumsum(live)[:n_steps]
     graph_of_step = [st.node.graph for st in steps]
     gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step))
-    floor = live.copy()
-    for g in gaps:
-        floor[g.after + 1:g.before] -= buffers[g.buffer].nbytes
+    recomputes = ()
+    bw = [spec for spec in specs if spec.saved]
+    if bw and n_steps:
+        from zinf_compile.analysis.recompute import recompute_candidates
+
+        bw_start = next((st.index for st in steps if st.graph == bw[0].role), n_steps)
+        recomputes = recompute_candidates(buffers, bw[0].saved, step_of, bw_start, steps)
+    cut = ()
+    if recomputes:
+        from zinf_compile.analysis.recompute import rebuild_gaps
+
+        cut = rebuild_gaps(recomputes, gaps)
+    floor = _floor_of(live, buffers, gaps, recomputes)
     return GraphFacts(
         graphs=tuple(s.role for s in specs),
         device=dev,
@@ -257,7 +269,25 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         working_set=ws[:n_steps],
         lower_bound=int(floor.max()) if n_steps else 0,
         floor=floor,
+        recomputes=recomputes,
+        rebuild_gaps=cut,
     )
+
+
+def _floor_of(live: np.ndarray, buffers, gaps, recomputes) -> np.ndarray:
+    """Per step, the live bytes when every lever is used: every gap's storage away inside it, and
+    every recompute that no gap makes unnecessary or excludes (analysis.recompute.in_floor) freeing
+    its storage until its rebuild, which holds the chain's intermediates for a moment."""
+    from zinf_compile.analysis.recompute import in_floor
+
+    floor = live.copy()
+    for g in gaps:
+        floor[g.after + 1:g.before] -= buffers[g.buffer].nbytes
+    for r in recomputes:
+        if in_floor(r, gaps, recomputes):
+            floor[r.after + 1:r.before] -= r.nbytes
+            floor[r.before] += r.temp_nbytes
+    return floor
 
 
 def _read_buffers(node: fx.Node, buffer_of: dict) -> list[int]:

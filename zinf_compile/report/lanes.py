@@ -48,11 +48,12 @@ LANES: list[str] = ACTIVATION_LANES + PARAM_LANES
 # Where a tick sits relative to its anchor step: an offload runs after its step, prefetch and wait
 # before theirs; a release frees the gathered parameter after its last use. Kinds not named here
 # (fetch, gather, reduce: steps of their own) sit on the step.
-ANCHOR_OFFSET: dict[str, float] = {"offload": 0.5, "prefetch": -0.5, "wait": -0.5, "release": 0.5}
+ANCHOR_OFFSET: dict[str, float] = {"offload": 0.5, "prefetch": -0.5, "wait": -0.5, "release": 0.5,
+                                   "recompute": -0.5}
 
 LANE_COLORS: dict[str, str] = {"offload": "#d62728", "prefetch": "#2ca02c", "wait": "#1f77b4",
                                "fetch": "#bcbd22", "gather": "#ff7f0e", "release": "#8c564b",
-                               "reduce": "#17becf"}
+                               "reduce": "#17becf", "recompute": "#9467bd"}
 _SPARE_COLORS = ["#7f7f7f", "#e377c2", "#9467bd", "#ff9896", "#98df8a"]
 
 MAX_AWAY_ROWS = 1000  # past this many tensors away at once, rows fold back onto the first

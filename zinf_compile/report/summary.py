@@ -28,6 +28,10 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("actions", counts_text(plan, LANES)),
         ("offloaded tensors", str(len({g.tensor for g in groups(plan)}))),
     ]
+    recs = plan.recomputes()
+    if recs:
+        rows.append(("recomputed tensors", f"{len(recs)}: {format_bytes(sum(a.nbytes for a in recs))} rebuilt in "
+                                           "backward instead of kept"))
     return rows + param_rows(plan) + tile_rows(plan)
 
 
