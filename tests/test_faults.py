@@ -30,6 +30,7 @@ from zinf_compile.runtime.state import STORE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 from fault_worker import HP, build, give, grads, manage  # noqa: E402
+from test_optim import assert_same_optim_state  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fault_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,15 +169,6 @@ def assert_snapshot(model, opt, snap) -> None:
     for (name, p), b in zip(model.named_parameters(), params, strict=True):
         assert torch.equal(whole(p), b), name
     assert_same_optim_state(opt.state_dict(), sd)
-
-
-def assert_same_optim_state(sd, ref_sd) -> None:
-    assert sd["param_groups"] == ref_sd["param_groups"]
-    assert sd["state"].keys() == ref_sd["state"].keys()
-    for i, st in ref_sd["state"].items():
-        assert sd["state"][i].keys() == st.keys(), i
-        for k, v in st.items():
-            assert torch.equal(sd["state"][i][k], v), (i, k)
 
 
 def assert_like_ref(model, opt, ref, ref_opt) -> None:
