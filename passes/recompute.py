@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch.fx as fx
 
 from zinf_compile import ir
+from zinf_compile.analysis.recompute import fused_nodes
 from zinf_compile.ir import RecomputeMeta, output_node
 
 from .base import Graphs, Pass, PassContext
@@ -39,11 +40,12 @@ class Recompute(Pass):
         for a in acts:
             r = cands[(a.tensor, a.step)]
             env = dict(zip(r.leaves, r.leaf_placeholders))
+            fused = fused_nodes(r.chain)
             with bw.inserting_before(ctx.step_node(r.before)):
                 for n in r.chain:
                     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
                     new = ir.emit(bw, n.target, args, kwargs)
-                    ir.mark(new, RecomputeMeta(a.group, r.buffer, n.name))
+                    ir.mark(new, RecomputeMeta(a.group, r.buffer, n.name, n in fused))
                     env[n] = new
             rebuilt = env[r.target]
             key = _storage_key(r.placeholder)

@@ -195,6 +195,21 @@ def saved_whole_parameters(fw: fx.GraphModule, num_fwd_outputs: int = 0) -> list
     return found
 
 
+def fused_bytes(facts) -> "np.ndarray":
+    """Per step, the bytes the analysis counts for a recompute chain's fused interior nodes
+    (RecomputeMeta.fused: pointwise ops Inductor folds into the kernel that makes the rebuilt
+    tensor), which never exist: the candidate's temp_nbytes left them out by the same rule."""
+    import numpy as np
+
+    out = np.zeros(len(facts.live), dtype=np.int64)
+    dev = facts.device
+    for b in facts.buffers:
+        m = ir.meta(b.aliases[0])
+        if isinstance(m, RecomputeMeta) and m.fused and b.nbytes and b.device == dev and b.def_step >= 0:
+            out[b.def_step:b.end_step + 1] += b.nbytes
+    return out
+
+
 def check_budget(graphs: Graphs, ctx: PassContext, plan, after: str = "fetch-ahead") -> int:
     """Invariant 8; returns the simulated peak."""
     specs = graph_specs(graphs, ctx.num_fwd_outputs)
@@ -204,6 +219,7 @@ def check_budget(graphs: Graphs, ctx: PassContext, plan, after: str = "fetch-ahe
     for nodes in ctx.inserted.values():
         pre, y = nodes["prefetch"], nodes["wait"]
         live[facts.step_of[pre]:facts.step_of[y]] += facts.buffers[where[y]].nbytes
+    live -= fused_bytes(facts)
     peak = int(live.max()) if len(live) else 0
     frees = tier_frees_device(plan.tier, plan.device)
     if peak > plan.budget and ((frees and (plan.moves() or plan.params)) or (not plan.moves() and plan.recomputes())):

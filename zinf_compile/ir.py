@@ -88,6 +88,7 @@ class RecomputeMeta:
     group: int  # the plan's recompute action
     buffer: int
     of: str  # the forward node it re-runs
+    fused: bool = False  # inside the kernel that makes the rebuilt tensor: no storage of its own
 
 
 Meta = ParamMeta | GatherMeta | FetchMeta | ReduceMeta | MoveMeta | TileMeta | RecomputeMeta

@@ -112,7 +112,10 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
         traffic = sum(_traffic(n) for n in chain if cheap_kind(n) != "view")
         seen: set = set()
         temp = 0
+        fused = fused_nodes(chain)
         for n in chain[:-1]:  # storages the chain makes besides the rebuilt one (views make none)
+            if n in fused:
+                continue  # inside the kernel that makes the rebuilt tensor: never stored
             v = n.meta.get("val")
             key = buffer_of.get(n, n)
             if isinstance(v, torch.Tensor) and key != b.id and key not in leaf_buf:
@@ -122,6 +125,24 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
         out.append(Recompute(b.id, after, before, x, p, chain, leaves, leaf_ph, leaf_buf, b.nbytes, flops, traffic,
                              secs, temp))
     return tuple(out)
+
+
+def fused_nodes(chain) -> frozenset:
+    """The chain's interior nodes that make no storage at the rebuild: pointwise ops and scalar
+    factories, which Inductor fuses into the kernel that consumes them (every reader of a
+    re-emitted node is inside the chain, so nothing outside needs its value). Not fused: the last
+    node, the storage the last node views (walking back through views), and the outputs of layout
+    ops (copies, cat, softmax), which are realized. The same rule decides a candidate's
+    `temp_nbytes` and, through RecomputeMeta.fused, what the verifier's re-analysis of the
+    rewritten backward counts: the two agree by construction."""
+    if not chain:
+        return frozenset()
+    base = chain[-1]
+    kept = {base}
+    while cheap_kind(base) == "view" and base.all_input_nodes:
+        base = base.all_input_nodes[0]
+        kept.add(base)
+    return frozenset(n for n in chain[:-1] if n not in kept and cheap_kind(n) in ("pointwise", "factory"))
 
 
 def _traffic(n: fx.Node) -> int:
