@@ -38,13 +38,28 @@ def _llama_config(tied: bool = False, inter: int = hf_models.INTER):
 def _meta_llama(cfg, how: str = "device"):
     import transformers as tf
 
+    return _on_meta(tf.LlamaForCausalLM, cfg, how)
+
+
+def _on_meta(cls, cfg, how: str = "device"):
+    """`cls(cfg)` built on the meta device: under `torch.device("meta")` or accelerate's
+    init_empty_weights (`how="accelerate"`, buffers stay real)."""
     if how == "device":
         with torch.device("meta"):
-            return tf.LlamaForCausalLM(cfg)
+            return cls(cfg)
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        return tf.LlamaForCausalLM(cfg)
+        return cls(cfg)
+
+
+def _eager_and_meta(cls, cfg, seed: int, how: str = "device"):
+    """The same model built eagerly and on meta, each right after manual_seed(seed): materialize
+    replays the eager draws, so the two must end equal."""
+    torch.manual_seed(seed)
+    eager = cls(cfg)
+    torch.manual_seed(seed)
+    return eager, _on_meta(cls, cfg, how)
 
 
 def _opts(offload_root: str, sub: str) -> dict:
@@ -216,17 +231,7 @@ def test_materialize_equals_eager_init(name, how, tied, offload_root):
     if tied:
         cfg.tie_word_embeddings = True
     cls = type(hf_models.hf_model(name))
-    torch.manual_seed(7)
-    eager = cls(cfg)
-    torch.manual_seed(7)
-    if how == "device":
-        with torch.device("meta"):
-            model = cls(cfg)
-    else:
-        from accelerate import init_empty_weights
-
-        with init_empty_weights():
-            model = cls(cfg)
+    eager, model = _eager_and_meta(cls, cfg, 7, how)
     zinf_compile.materialize(model, options=_opts(offload_root, "init"))
     _no_meta(model)
     assert sum(STORE.is_managed(p) for p in model.parameters()) >= 10
@@ -270,11 +275,7 @@ def test_meta_initialised_llama_trains_like_eager(offload_root):
     try:
         batch = hf_models.hf_batch("llama")
         cfg = hf_models.hf_config("llama")
-        torch.manual_seed(3)
-        ref = tf.LlamaForCausalLM(cfg)
-        torch.manual_seed(3)
-        with torch.device("meta"):
-            model = tf.LlamaForCausalLM(cfg)
+        ref, model = _eager_and_meta(tf.LlamaForCausalLM, cfg, 3)
         opts = {**_opts(offload_root, "train"), "budget": int(4.4 * (1 << 20))}
         zinf_compile.materialize(model, options=opts)
         ref_fn = torch.compile(ref, backend="inductor")
@@ -351,11 +352,7 @@ def test_resident_option_materializes_in_memory(sharded):
     want = tf.LlamaForCausalLM.from_pretrained(sharded).state_dict()
     assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
     cfg = hf_models.hf_config("llama")
-    torch.manual_seed(5)
-    eager = tf.LlamaForCausalLM(cfg)
-    torch.manual_seed(5)
-    with torch.device("meta"):
-        fresh = tf.LlamaForCausalLM(cfg)
+    eager, fresh = _eager_and_meta(tf.LlamaForCausalLM, cfg, 5)
     zinf_compile.materialize(fresh, options={"params": "resident"})
     assert not any(STORE.is_managed(p) for p in fresh.parameters())
     assert all(torch.equal(eager.state_dict()[k], v) for k, v in fresh.state_dict().items())
