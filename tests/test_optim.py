@@ -52,6 +52,17 @@ def small(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 7))  # 10000 elements: 3 chunks of 4096, a tail
 
 
+def managed_pair(cls: type, tier: str, offload_root: str, **kw):
+    """(ref, model, opt, ref_opt): small() and its copy with the weights managed in `tier`, a zinf
+    `cls` optimizer over the copy (CHUNK-element chunks) and torch's over the original."""
+    ref = small()
+    model = copy.deepcopy(ref)
+    manage(model, tier, offload_root)
+    opt, ref_opt = optimizer(model, cls, **kw), cls(ref.parameters(), **kw)
+    opt.chunk_elems = CHUNK
+    return ref, model, opt, ref_opt
+
+
 def give_grads(model: nn.Module, grads) -> None:
     """This step's gradients: into p.grad for resident parameters, the store for managed ones."""
     for p, g in zip(model.parameters(), grads):
@@ -165,11 +176,7 @@ def test_nvme_step_interrupts_and_failures_say_what_they_are(offload_root, monke
     bit-identically to a run that never failed."""
     import zinf_compile.optim as zoptim
 
-    ref = small()
-    model = copy.deepcopy(ref)
-    manage(model, "nvme", offload_root)
-    opt, ref_opt = optimizer(model, torch.optim.AdamW, **HP), torch.optim.AdamW(ref.parameters(), **HP)
-    opt.chunk_elems = CHUNK
+    ref, model, opt, ref_opt = managed_pair(torch.optim.AdamW, "nvme", offload_root, **HP)
     gen = torch.Generator().manual_seed(3)
     step_both(model, ref, opt, ref_opt, gen)
     before = [whole(p).clone() for p in model.parameters()]
@@ -273,11 +280,7 @@ ROUND_TRIP = [("cpu", torch.optim.AdamW, HP), ("nvme", torch.optim.AdamW, HP),
 def test_state_dict_round_trip_and_torch_interop(offload_root, tier, cls, kw):
     """zinf's state dict is torch's (one process): each loads into the other and training goes on
     bit-identically."""
-    ref = small()
-    model = copy.deepcopy(ref)
-    manage(model, tier, offload_root)
-    opt, ref_opt = optimizer(model, cls, **kw), cls(ref.parameters(), **kw)
-    opt.chunk_elems = CHUNK
+    ref, model, opt, ref_opt = managed_pair(cls, tier, offload_root, **kw)
     gen = torch.Generator().manual_seed(2)
 
     def step(pairs):
@@ -315,11 +318,7 @@ def test_checkpoint_of_another_optimizer_on_nvme_resumes_exactly(offload_root, t
     """SGD with momentum on NVMe shards: its momentum buffers go through a checkpoint into another
     model's NVMe files, and the next step is torch's."""
     kw = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3)
-    ref = small()
-    model = copy.deepcopy(ref)
-    manage(model, "nvme", offload_root)
-    opt, ref_opt = optimizer(model, torch.optim.SGD, **kw), torch.optim.SGD(ref.parameters(), **kw)
-    opt.chunk_elems = CHUNK
+    ref, model, opt, ref_opt = managed_pair(torch.optim.SGD, "nvme", offload_root, **kw)
     gen = torch.Generator().manual_seed(6)
     for _ in range(2):
         step_both(model, ref, opt, ref_opt, gen)
