@@ -48,7 +48,7 @@ class Engines:
         with self._lock:
             out = [eng for k, eng in self._by_key.items()
                    if k in self._users and not self._users[k] and k not in busy_keys
-                   and eng.live_tickets() == 0 and _files_in_use(eng) == 0]
+                   and eng.live_tickets() == 0 and (eng._swap is None or eng._swap.files_in_use() == 0)]
             for eng in out:
                 del self._by_key[eng.key]
                 del self._users[eng.key]
@@ -79,12 +79,6 @@ class Engines:
             self._users.clear()
         for eng in engines:
             eng.close()
-
-
-def _files_in_use(eng: OffloadEngine) -> int:
-    """Swap files holding something (released ones stay open in the folder's pool for reuse)."""
-    swap = eng._swap
-    return 0 if swap is None else swap.file_count() - len(swap._free)
 
 
 class Pins:

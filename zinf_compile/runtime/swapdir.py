@@ -166,6 +166,11 @@ class SwapDir:
     def file_count(self) -> int:
         return len(self._fds)
 
+    def files_in_use(self) -> int:
+        """Files holding something (released ones stay open in the pool for reuse)."""
+        with self._lock:
+            return len(self._fds) - len(self._free)
+
     def close(self) -> None:
         self._finalizer()
 
