@@ -195,7 +195,7 @@ class _RandomRanges(torch.overrides.TorchFunctionMode):
     LayerDrop (BART, Whisper, ...) runs `torch.rand([]) < self.layerdrop` in Python in train mode;
     FakeTensorMode has no value to compare, but with layerdrop 0 (every config's default) the
     answer is known: a draw of torch.rand lies in [0, 1). A comparison the range cannot decide
-    stays data-dependent and fails as before, naming the value."""
+    stays data-dependent: `trace` turns the failure into a ZinfConfigError saying what to do."""
 
     _CMP = {"lt": lambda lo, hi, c: True if hi <= c else False if lo >= c else None,
             "le": lambda lo, hi, c: True if hi <= c else False if lo > c else None,
