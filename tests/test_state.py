@@ -155,7 +155,8 @@ def test_engines_of_dead_models_close_when_the_next_compile_starts(tmp_path):
         gc.collect()
     # the first model's engine closed when the second compiled, and so on: one engine at a time
     assert [n for n, _, _ in seen] == [1, 1, 1], seen
-    assert seen[2][1] <= seen[0][1] and seen[2][2] <= seen[0][2], f"threads/fds grew: {seen}"
+    # a pool starts its threads as work comes (up to io_threads, 4): never more than one engine's
+    assert all(t <= 4 for _, t, _ in seen) and seen[2][2] <= seen[0][2], f"threads/fds grew: {seen}"
     assert not _files(str(tmp_path / "swap0")) and not _files(str(tmp_path / "swap1"))
     zinf_compile.reset()
     assert not _files(str(tmp_path)) and _threads() == 0
