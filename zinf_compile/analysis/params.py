@@ -56,12 +56,12 @@ def buffer_index(facts: GraphFacts) -> dict[fx.Node, int]:
     return out
 
 
-def intervals(facts: GraphFacts, buffer: int, less_gaps: bool) -> list[Interval]:
-    """The steps a buffer is live (less its gaps), as intervals."""
+def intervals(facts: GraphFacts, buffer: int, gaps: list | None = None) -> list[Interval]:
+    """The steps a buffer is live (less `gaps`, the buffer's gaps, when given), as intervals."""
     b = facts.buffers[buffer]
     if b.nbytes == 0 or b.device != facts.device:
         return []
-    cuts = sorted((g.after + 1, g.before - 1) for g in facts.gaps if g.buffer == buffer) if less_gaps else []
+    cuts = sorted((g.after + 1, g.before - 1) for g in gaps or ())
     out, s = [], max(b.def_step, 0)
     for a, e in cuts:
         if a > s:
@@ -98,6 +98,9 @@ def param_facts(facts: GraphFacts, world: int = 1) -> dict[int, ParamFact]:
             if g in where:
                 grads[m.pid].append(where[g])
     end = len(facts.steps) - 1
+    gaps_of: dict[int, list] = {}  # by buffer, once: scanning every gap per buffer was quadratic
+    for g in facts.gaps:
+        gaps_of.setdefault(g.buffer, []).append(g)
     out = {}
     for pid, m in metas.items():
         val = vals[pid]
@@ -109,8 +112,8 @@ def param_facts(facts: GraphFacts, world: int = 1) -> dict[int, ParamFact]:
         out[pid] = ParamFact(
             pid, m.name, int(val.numel()) * val.element_size(),
             -(-stored_nbytes(val.numel(), val.element_size(), m.master) // world), m.resident_bytes,
-            tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b, False)),
-            tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b, True)),
+            tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b)),
+            tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b, gaps_of.get(b))),
             tuple(kept))
     return out
 
