@@ -68,6 +68,9 @@ parameters (whose gradients are in memory anyway) are stepped in step() as befor
   raises ZinfError in the backward and abandons the step: parameters and states as the previous
   step left them, this step's gradients lost (zero_grad() and run it again; the count is learned
   anew).
+  Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
+  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated for the step and
+  freed after it; it adds to the backward's memory, which the plan does not count.
   Numerics: bit-identical to the same optimizer without the option, hence to torch.optim on the
   whole parameters (the same arithmetic on the same values, chunk by chunk).
   Refused (ZinfError): clipping by global norm (`clip_grad_norm_`, `total_norm` of these
@@ -113,6 +116,9 @@ __all__ = ["ZinfOptimizer", "optimizer", "DEFAULT_CHUNK_ELEMS"]
 DEFAULT_CHUNK_ELEMS = 2 << 20
 _ALIGN_ELEMS = 4096
 _RING = 3  # chunk buffers: one reading, one computing, one writing
+# step_in_backward: the ring of chunk buffers of a step taken inside the backward takes at most this
+# fraction (1/N) of the budget (by default; chunk_elems overrides): the graph's memory is live there
+IN_BACKWARD_SHARE = 16
 _NVME_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparameters
 
@@ -666,10 +672,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             for s in given:
                 s.grad = None
 
-    def _chunk(self) -> int:
+    def _chunk(self, in_backward: bool = False) -> int:
         """Elements per chunk of the NVMe step: the user's `chunk_elems`, else the ring of chunk
         buffers (3 slots x param, grad and up to 3 states, fp32 at most) in half of the smallest
-        budget this optimizer's NVMe parameters were planned under."""
+        budget this optimizer's NVMe parameters were planned under; in a backward (step_in_backward)
+        in 1/IN_BACKWARD_SHARE of it: there it adds to the graph's memory, which the plan did not count."""
         if self.chunk_elems is not None:
             chunk = int(self.chunk_elems)
             if chunk <= 0 or chunk % _ALIGN_ELEMS:
@@ -678,7 +685,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         budgets = [e.budget for _, _, e in self._layout.nvme if e.budget]
         if not budgets:
             return DEFAULT_CHUNK_ELEMS
-        fit = min(budgets) // (2 * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
+        share = IN_BACKWARD_SHARE if in_backward else 2
+        fit = min(budgets) // (share * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
         return max(_ALIGN_ELEMS, min(DEFAULT_CHUNK_ELEMS, fit))
 
     @property
@@ -718,13 +726,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
         return _Work(e, g, rec.step, names, fds, e.engine, {})
 
-    def _nvme_step(self, work: list["_Work"]) -> None:
+    def _nvme_step(self, work: list["_Work"], chunk: int | None = None) -> None:
         """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
         with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
         to the record's spare file, never over the one read: until `_nvme_commit` switches the
         slots, the previous step's parameters and states are whole in their files. A failure
         here leaves them (and everything else) as they were: nothing was applied."""
-        chunk = self._chunk()
+        chunk = chunk or self._chunk()
         try:
             for w in work:
                 w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
@@ -837,7 +845,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         else:
             w.grad = part  # the whole gradient, in memory: it never reaches the file
         try:
-            self._nvme_step([w])
+            self._nvme_step([w], self._chunk(in_backward=True))
         except BaseException as err:
             self._abandon_backward()
             if not isinstance(err, Exception):
@@ -847,6 +855,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"every parameter and optimizer state is as the previous step left them, and this step's "
                 f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step "
                 f"again") from err
+        w.grad = None  # may be the graph's buffer: not kept past this call
         e.drop_grad()
         bw.work[id(e)] = w
         bw.hyper.setdefault(gi, hyper)
