@@ -430,3 +430,66 @@ def test_compiled_training_is_bit_identical_to_inductor_adamw(offload_root, spli
         assert torch.equal(a, b), (i, losses, ref_losses)
     assert_same(model, ref)
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+# -- two ranks (gloo): each rank steps its own shard in backward ------------------------------------
+def _dist_main(out: str, offload_dir: str, steps: int = 3) -> None:
+    """Under torchrun: tests/workers/dist_train.py's model on 2 ranks, once stepped in step() and
+    once in backward; rank 0 saves both runs' losses, final parameters and in-backward counts."""
+    import torch.distributed as dist
+
+    import zinf_compile
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 65), torch.randn(32, 65)
+    runs = {}
+    for in_backward in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(65, 257), torch.nn.GELU(), torch.nn.Linear(257, 65))
+        fn = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
+                                                           "offload_dir": os.path.join(offload_dir, str(in_backward))})
+        opt = zinf_compile.optimizer(fn, torch.optim.AdamW, lr=1e-2, step_in_backward=in_backward)
+        losses, counts = [], []
+        for _ in range(steps):
+            loss = F.mse_loss(fn(x.chunk(world)[rank]), y.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+            counts.append(opt.last_step_counts["in_backward"])
+        runs[in_backward] = dict(losses=losses, counts=counts, params=zinf_compile.full_state_dict(fn))
+    if rank == 0:
+        torch.save(runs, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_step_their_shards_in_backward(tmp_path, offload_root):
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "runs.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "test_step_in_backward", out, os.path.join(offload_root, "sib2")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = torch.load(out)
+    plain, sib = runs[False], runs[True]
+    assert plain["counts"] == [0, 0, 0] and sib["counts"] == [0, 2, 2]
+    for a, b in zip(plain["losses"], sib["losses"], strict=True):
+        assert torch.equal(a, b)
+    assert plain["params"].keys() == sib["params"].keys()
+    for k, v in plain["params"].items():
+        assert torch.equal(sib["params"][k], v), k
+
+
+if __name__ == "__main__":
+    import sys
+
+    _dist_main(*sys.argv[1:])
