@@ -470,6 +470,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self._spare = {i: r for i, r in self._spare.items() if i in keep}
         for i in [i for i in self._bw.work if i not in keep]:  # a parameter released since its step in backward
             del self._bw.work[i]
+        # counts of reduces: only for entries still held (a new entry may reuse a dead one's id)
+        self._bw.expect = {i: n for i, n in self._bw.expect.items() if i in keep}
         for p, (form, st) in carried:
             try:
                 self._import_param_state(p, form, st)
