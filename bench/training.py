@@ -165,7 +165,8 @@ def _modes(names: list[str], out_dir: str, repeats: int) -> int:
     summary = {}
     for n in names:
         rs = [r for r in runs if r["mode"] == n]
-        summary[n] = dict(read_per_step=rs[0]["moved_per_step"]["read"], written_per_step=rs[0]["moved_per_step"]["written"],
+        moved = rs[0]["moved_per_step"]
+        summary[n] = dict(read_per_step=moved["read"], written_per_step=moved["written"],
                           step_s=statistics.median(s for r in rs for s in r["step_s"]),
                           stepped_in_backward=rs[0]["counts"][-1]["in_backward"],
                           stepped_in_step=rs[0]["counts"][-1]["in_step"], managed=rs[0]["managed"],
