@@ -3,6 +3,7 @@ page cache warm and dropped before each step (cold), side by side.
 
     python -m bench training [--layers 8] [--hidden 1024] [--batch 4] [--seq 256] [--budget 448MiB]
                              [--repeats 3] [--contenders auto] [--device auto] [--regimes warm,cold]
+                             [--modes step,in-backward]
 
 Parameters + gradients + AdamW states (4 x 118M parameters x 4 bytes = 1.76 GiB) are 4.0x the
 448 MiB budget (a plan needs 416 MiB at least: the graph's lower bound); the 1024 tokens per step
@@ -18,26 +19,45 @@ the same with the page cache dropped before each timed step (root; `_harness.COL
 bound is max(compute, bytes zinf moves per step / the disk's direct read bandwidth, `dd iflag=direct
 bs=16M` measured in the same run). Writes <out>/training-<regime>.json (bench params' record) and
 <out>/training.json (the regimes side by side).
+
+Optimizer modes (`--modes`, first; `--modes ''` skips them, `--regimes ''` runs only them): bytes
+read from and written to the swap files per training step, side by side in one run, of the NVMe
+tier stepped in step() (`step`: each gradient written to its file in the backward and read back by
+the step) and in the backward (`in-backward`: `zinf_compile.optimizer(..., step_in_backward=True)`,
+the gradient never reaches its file), on a small GPT (MODES below: GPT-2's tied embedding/head,
+`params="offload"` so every 2-d weight is an NVMe shard; AdamW). Each mode in a fresh process, the
+order alternating per repeat: 2 warm-up steps (the first compiles and counts each gradient's
+reduces, so the second already steps in backward), then 3 measured. The bytes are exact counts of
+the engine's reads and writes (the deliverable); times on a shared machine are indicative. It checks
+that both modes compute the same losses and parameters bit for bit, and that the difference is
+exactly one write and one read of every managed gradient per step. Writes <out>/training-modes.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 
 from bench import _harness, params
 
 GPT = dict(model="gpt", layers=8, hidden=1024, heads=16, batch=4, seq=256, vocab=8192, budget="448MiB")
+# the optimizer modes' model: 2 blocks of 256, 8192-token vocabulary (tied), 3.7M parameters
+MODES = dict(layers=2, hidden=256, heads=4, batch=4, seq=64, vocab=8192, lr=1e-3, warmup=2, steps=3)
+MODE_NAMES = ("step", "in-backward")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv and argv[argv.index("--worker") + 1].startswith("mode-"):
+        return _mode_main(argv)
     if "--worker" in argv:
         return params.main(argv, prog="training", defaults=GPT)
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--regimes", default="warm,cold")
+    ap.add_argument("--modes", default=",".join(MODE_NAMES))
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     known, rest = ap.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -49,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if "cold" in regimes and not _harness.drop_caches():
         raise SystemExit("the cold regime drops the page cache before each step: run as root, or --regimes warm")
     out, codes = {}, []
+    modes = [m for m in known.modes.split(",") if m]
+    if set(modes) - set(MODE_NAMES):
+        raise SystemExit(f"--modes: expected some of {', '.join(MODE_NAMES)}, got {known.modes!r}")
+    if modes:
+        repeats = _option(rest, "--repeats", 1)
+        codes.append(_modes(modes, known.out, repeats))
     for regime in regimes:
         print(f"-- {regime} regime", flush=True)
         before = os.environ.get(_harness.COLD_ENV)
@@ -65,10 +91,119 @@ def main(argv: list[str] | None = None) -> int:
             record = json.load(f)
         direct = (_harness.direct_read_bandwidth(tempfile.gettempdir(), mib=512) or 0) * 1e6
         out[regime] = _regime(record, regime, direct)
-    with open(os.path.join(known.out, "training.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    print(_table(out))
+    if regimes:
+        with open(os.path.join(known.out, "training.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        print(_table(out))
     return max(codes) if codes else 0
+
+
+def _option(argv: list[str], name: str, default: int) -> int:
+    return int(argv[argv.index(name) + 1]) if name in argv else default
+
+
+# -- optimizer modes: bytes per step with the NVMe tier stepped in step() or in the backward ----------
+def _mode_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench training (mode worker)")
+    for k, v in MODES.items():
+        ap.add_argument(f"--{k}", type=type(v), default=v)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker")
+    ap.add_argument("--offload-dir")
+    ap.add_argument("--result")
+    return _harness.run_worker(ap.parse_args(argv), _mode_worker)
+
+
+def _mode_worker(args) -> dict:
+    """One optimizer mode (`--worker mode-step` or `mode-in-backward`) in this process."""
+    import zlib
+
+    import torch
+
+    import zinf_compile
+    from zinf_compile.checkpoint import full_state_dict
+    from zinf_compile.runtime.state import STORE
+
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import build
+
+    model, (idx, tgt) = build(batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden,
+                              heads=args.heads, vocab=args.vocab, seed=0, tie=True)
+    options = {"params": "offload", "offload": "nvme", "offload_dir": args.offload_dir}
+    fn = torch.compile(model, backend="zinf", options=options)
+    in_backward = args.worker == "mode-in-backward"
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr, step_in_backward=in_backward)
+    counts = []
+
+    def step() -> float:
+        loss = fn(idx, tgt).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counts.append(dict(opt.last_step_counts))
+        return float(loss.detach())
+
+    m = _harness.measure_steps(step, args.warmup, args.steps)
+    sd = full_state_dict(fn)
+    crc = 0
+    for k in sorted(sd):
+        crc = zlib.crc32(sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    entries = STORE.entries()
+    return dict(mode=args.worker[len("mode-"):], losses=m["losses"], loss_bits=[float.hex(x) for x in m["losses"]],
+                params_crc32=crc, step_s=m["step_s"], moved_per_step=m["moved_per_step"], counts=counts,
+                managed=len(entries), shard_bytes=sum(e.shard_nbytes for e in entries),
+                param_numel=sum(p.numel() for p in model.parameters()))
+
+
+def _modes(names: list[str], out_dir: str, repeats: int) -> int:
+    """Each mode in fresh processes, alternately; the bytes side by side. 1 when a check fails."""
+    argv = _harness.as_argv(argparse.Namespace(**MODES), MODES)
+    runs = _harness.alternate([f"mode-{n}" for n in names], [f"mode-{n}" for n in MODE_NAMES], repeats,
+                              lambda n: _harness.run("bench.training", n, argv, 1800, 2))
+    summary = {}
+    for n in names:
+        rs = [r for r in runs if r["mode"] == n]
+        moved = rs[0]["moved_per_step"]
+        summary[n] = dict(read_per_step=moved["read"], written_per_step=moved["written"],
+                          step_s=statistics.median(s for r in rs for s in r["step_s"]),
+                          stepped_in_backward=rs[0]["counts"][-1]["in_backward"],
+                          stepped_in_step=rs[0]["counts"][-1]["in_step"], managed=rs[0]["managed"],
+                          shard_bytes=rs[0]["shard_bytes"], param_numel=rs[0]["param_numel"],
+                          loss_bits=rs[0]["loss_bits"], params_crc32=rs[0]["params_crc32"],
+                          bytes_same_every_repeat=all(r["moved_per_step"] == rs[0]["moved_per_step"] for r in rs))
+    checks = {"bytes_same_every_repeat": all(s["bytes_same_every_repeat"] for s in summary.values())}
+    if {"step", "in-backward"} <= set(summary):
+        a, b = summary["step"], summary["in-backward"]
+        grads = a["shard_bytes"]  # every managed gradient: the shard's size
+        checks.update(
+            same_losses=a["loss_bits"] == b["loss_bits"], same_params=a["params_crc32"] == b["params_crc32"],
+            all_stepped_in_backward=b["stepped_in_backward"] == b["managed"] and b["stepped_in_step"] == 0,
+            read_saved_is_one_gradient_read=a["read_per_step"] - b["read_per_step"] == grads,
+            written_saved_is_one_gradient_write=a["written_per_step"] - b["written_per_step"] == grads,
+            moved_ratio=(b["read_per_step"] + b["written_per_step"]) / (a["read_per_step"] + a["written_per_step"]))
+    ok = all(v for v in checks.values() if isinstance(v, bool))
+    record = dict(model=dict(MODES, model="gpt", tie=True, params="offload", offload="nvme", optimizer="AdamW"),
+                  summary=summary, checks=checks, runs=runs, ok=ok)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "training-modes.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(_modes_table(summary, checks))
+    return 0 if ok else 1
+
+
+def _modes_table(summary: dict, checks: dict) -> str:
+    s0 = next(iter(summary.values()))
+    lines = [f"optimizer modes: GPT {s0['param_numel'] / 1e6:.1f}M parameters, {s0['managed']} NVMe shards of "
+             f"{s0['shard_bytes'] / 1e6:.1f} MB; bytes per training step (exact), time indicative",
+             f"{'mode':12} {'read MB':>9} {'written MB':>11} {'total MB':>9} {'s/step':>7} {'stepped in bw':>14}"]
+    for n, s in summary.items():
+        lines.append(f"{n:12} {s['read_per_step'] / 1e6:>9.2f} {s['written_per_step'] / 1e6:>11.2f} "
+                     f"{(s['read_per_step'] + s['written_per_step']) / 1e6:>9.2f} {s['step_s']:>7.2f} "
+                     f"{s['stepped_in_backward']:>8}/{s['managed']}")
+    lines.append("checks: " + ", ".join(f"{k}={round(v, 3) if isinstance(v, float) else v}" for k, v in checks.items()))
+    return "\n".join(lines)
 
 
 def _regime(record: dict, regime: str, direct_Bps: float) -> dict:

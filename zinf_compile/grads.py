@@ -30,6 +30,9 @@ never update a managed parameter. Both silently.
                       Hugging Face's Trainer does, would otherwise sum every step's gradient into
                       the shards: measured, Trainer's second grad_norm 1.90 where Inductor's is 1.64).
                       One dict lookup per parameter per call, none while nothing is managed.
+  step_in_backward    norms and clips of the parameters of an optimizer made with
+                      step_in_backward=True are refused (ZinfError): their NVMe-tier gradients are
+                      consumed by the optimizer inside the backward, before a norm could see them.
 
 Names bound before install (`from torch.nn.utils import clip_grad_norm_` at the top of a script
 that runs before the first compile) keep torch's function: call `zinf_compile.clip_grad_norm_`.
@@ -130,7 +133,9 @@ def total_norm(parameters, norm_type: float = 2.0, error_if_nonfinite: bool = Fa
     collective; every rank must call it with the same parameters."""
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
-    grads = _gradients(_as_list(parameters))
+    params = _as_list(parameters)
+    _refuse_stepped_in_backward(params)
+    grads = _gradients(params)
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
@@ -178,6 +183,7 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
     """torch's `clip_grads_with_norm_` over resident and managed gradients alike: each multiplied
     by min(max_norm / (total_norm + 1e-6), 1), the same 0-dim tensor torch multiplies by."""
     params = _as_list(parameters)
+    _refuse_stepped_in_backward(params)
     _TORCH.get("clip_grads_with_norm_", torch.nn.utils.clip_grad._clip_grads_with_norm_)(
         params, max_norm, total_norm, foreach)  # the resident ones (a managed p.grad is None)
     entries = [g for g in _gradients(params) if isinstance(g, Entry)]
@@ -199,6 +205,24 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     total = total_norm(params, norm_type, error_if_nonfinite, foreach)
     clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def _refuse_stepped_in_backward(params: list[torch.Tensor]) -> None:
+    """A norm over gradients, or a clip, needs every gradient before any parameter steps: refused
+    for the parameters of an optimizer made with step_in_backward=True (zinf_compile/optim.py)."""
+    from zinf_compile.runtime.state import RUNTIME
+
+    opts = [o for o in list(RUNTIME.optimizers) if getattr(o, "step_in_backward", False)]
+    if not opts:
+        return
+    ids = {id(p) for p in params}
+    for opt in opts:
+        if any(id(p) in ids for p in opt._all_params()):
+            raise ZinfError(
+                "zinf: clipping by global norm (or a total norm of the gradients) needs every gradient before "
+                "any parameter steps, but these parameters belong to an optimizer made with "
+                "step_in_backward=True, which steps the NVMe tier's parameters during the backward (their "
+                "gradients are gone by now). Make it with step_in_backward=False to clip; nothing was clipped")
 
 
 # -- torch's own entry points ---------------------------------------------------------------------

@@ -42,6 +42,43 @@ step left them; the error says so, and calling step() again continues bit-identi
 gradients are only read). The cost: the spare slots, one more shard-sized file per NVMe record
 (parameter and each state: 3 x the shard for Adam); no extra I/O.
 
+Stepping in backward (`step_in_backward=True`; ZeRO-Offload/Infinity overlap the optimizer with
+the backward). Without it, a step with parameters in the NVMe tier writes each gradient to its file
+in the backward and reads it back in step(). With it, each NVMe-tier parameter is stepped inside
+the backward, in the reduce that makes its gradient whole: its parameter and states are read, the
+gradient is taken from memory, and the new parameter and states are written to the records' spare
+slots, exactly as step() would write them -- the gradient never reaches its file (2 x the gradient's
+bytes less I/O per parameter per step; bench/training.py measures it). Resident and CPU-tier
+parameters (whose gradients are in memory anyway) are stepped in step() as before.
+
+  When the update becomes visible: at `opt.step()`, which commits it (the slot switch above, with
+  the in-memory steps) and steps whatever was not stepped in backward. Until then every read of
+  a parameter (a later gather in the same backward, a tied weight's second use, `state_dict()`,
+  `opt.state`) sees the previous step's values. A backward that fails midway (an exception, an I/O
+  error, Ctrl-C) commits nothing: step() then refuses (ZinfError) and drops what that backward
+  wrote, so the parameters and states stay as the previous step left them; `zero_grad()` drops it
+  too, as it drops gradients.
+  When a gradient is whole: a parameter's gradient may come in several reduces per step (a weight
+  used by two compiled graphs, a tiled weight's tiles, eager reads, gradient accumulation over
+  several backward calls). The optimizer counts them in each step and steps a parameter in the
+  next steps at the reduce that reaches that count (earlier ones go to the gradient file as
+  without the option, and the last reads it back). So the first step after the parameters are
+  taken over runs as without the option; a parameter getting fewer reduces than counted is simply
+  stepped in step() from its file (and counted anew); one getting more -- after it was stepped --
+  raises ZinfError in the backward and abandons the step: parameters and states as the previous
+  step left them, this step's gradients lost (zero_grad() and run it again; the count is learned
+  anew).
+  Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
+  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated for the step and
+  freed after it; it adds to the backward's memory, which the plan does not count.
+  Numerics: bit-identical to the same optimizer without the option, hence to torch.optim on the
+  whole parameters (the same arithmetic on the same values, chunk by chunk).
+  Refused (ZinfError): clipping by global norm (`clip_grad_norm_`, `total_norm` of these
+  parameters: the norm needs every gradient before any parameter steps), optimizers whose update is
+  not elementwise (at construction), `differentiable`/`capturable`, and hyperparameters changed
+  between the backward and step() (set the learning rate before the forward, or step a scheduler
+  after step(), as usual). After a step, a parameter stepped in backward has no gradient to read.
+
 Hyperparameters are read from `param_groups` at each step, so the user or an LR scheduler may change
 them between steps (`ZinfOptimizer` is a `torch.optim.Optimizer` for the schedulers' sake).
 
@@ -52,10 +89,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import signal
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -77,19 +116,26 @@ __all__ = ["ZinfOptimizer", "optimizer", "DEFAULT_CHUNK_ELEMS"]
 DEFAULT_CHUNK_ELEMS = 2 << 20
 _ALIGN_ELEMS = 4096
 _RING = 3  # chunk buffers: one reading, one computing, one writing
+# step_in_backward: the ring of chunk buffers of a step taken inside the backward takes at most this
+# fraction (1/N) of the budget (by default; chunk_elems overrides): the graph's memory is live there
+IN_BACKWARD_SHARE = 16
 _NVME_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparameters
 
 
-def optimizer(model, cls: type, *, chunk_elems: int | None = None, **kwargs) -> "ZinfOptimizer":
+def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
+              **kwargs) -> "ZinfOptimizer":
     """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
     iterable of parameters / param-group dicts), stepping managed parameters where they live.
 
     `chunk_elems`: elements per chunk of the NVMe tier's streamed step (a multiple of 4096). By
     default the ring of chunk buffers takes at most half the budget its parameters were planned
     under (the step runs between training steps, when the graphs' memory is free), and at most
-    DEFAULT_CHUNK_ELEMS; the other keyword arguments go to `cls`."""
-    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, **kwargs)
+    DEFAULT_CHUNK_ELEMS. `step_in_backward`: step each NVMe-tier parameter in the backward, as soon
+    as its gradient is whole, instead of writing the gradient to its file and reading it back at
+    step() (see "Stepping in backward" in the module's docstring); the other keyword arguments go
+    to `cls`."""
+    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, **kwargs)
 
 
 def _supported_nvme() -> tuple[type, ...]:
@@ -166,7 +212,8 @@ class _NvmeState:
 class ZinfOptimizer(torch.optim.Optimizer):
     """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
 
-    def __init__(self, model, cls: type, *, chunk_elems: int | None = None, **kwargs) -> None:
+    def __init__(self, model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
+                 **kwargs) -> None:
         # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
         # optimizer's. The hook tables are there for the methods inherited from the base class.
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -190,6 +237,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if chunk_elems is not None and (int(chunk_elems) <= 0 or int(chunk_elems) % _ALIGN_ELEMS):
             raise ZinfError(f"zinf: chunk_elems must be a positive multiple of {_ALIGN_ELEMS}, got {chunk_elems}")
         self.chunk_elems = chunk_elems  # None: from the budget its parameters were planned under
+        self.step_in_backward = bool(step_in_backward)
+        if self.step_in_backward:
+            _check_in_backward_class(cls, kwargs)
+        self._bw = _BackwardSteps()
+        # what the last step() committed: NVMe-tier parameters stepped in backward / in step()
+        self.last_step_counts = {"in_backward": 0, "in_step": 0}
         RUNTIME.optimizers.add(self)  # zinf_compile.reset() brings its states home before the files go
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -243,11 +296,17 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            self._check_backward_steps()
             self._push_hyper()
             # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
-            # the old ones first; only when all are written do the in-memory steps run and the
-            # NVMe records switch slots, with Ctrl-C and SIGTERM held back until that is done.
+            # the old ones first (some already did, in backward: self._bw); only when all are
+            # written do the in-memory steps run and the NVMe records switch slots, with Ctrl-C and
+            # SIGTERM held back until that is done.
             work = self._nvme_prepare() if lay.nvme else []
+            if self.step_in_backward:  # how many reduces made each gradient: the next steps step there
+                for w in work:
+                    if w.entry.reduces:
+                        self._bw.expect[id(w.entry)] = w.entry.reduces
             if work:
                 self._nvme_step(work)
             with _deferred_signals():
@@ -261,6 +320,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     self._keep_spares(work)  # not an I/O error: torch's own, raised as it is
                     raise
                 self._nvme_commit(work)
+                done = list(self._bw.work.values())
+                self._nvme_commit(done)
+                for w in done:
+                    w.entry.reduces = 0  # its gradient was taken: the next step counts afresh
+                self._bw.clear()
+            self.last_step_counts = {"in_backward": len(done), "in_step": len(work)}
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -403,11 +468,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
         keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
         self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
         self._spare = {i: r for i, r in self._spare.items() if i in keep}
+        for i in [i for i in self._bw.work if i not in keep]:  # a parameter released since its step in backward
+            del self._bw.work[i]
+        # counts of reduces: only for entries still held (a new entry may reuse a dead one's id)
+        self._bw.expect = {i: n for i, n in self._bw.expect.items() if i in keep}
         for p, (form, st) in carried:
             try:
                 self._import_param_state(p, form, st)
             except Exception as err:
                 lost.append((p, err))
+        self._attach_sinks(old, lay)
         if lost:
             warnings.warn(f"zinf: the optimizer's layout changed (parameters taken over or released) and the "
                           f"state of {len(lost)} parameter(s) could not be carried over; they start afresh "
@@ -473,6 +543,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 f"zinf manages parameters as flat shards; use an elementwise optimizer or params='resident'")
 
     def _clear_state(self) -> None:
+        self._abandon_backward()  # steps taken in backward from the states being replaced
         lay = self._layout
         self._plain.state.clear()
         for opt in (lay.res_opt, lay.cpu_opt):
@@ -603,10 +674,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             for s in given:
                 s.grad = None
 
-    def _chunk(self) -> int:
+    def _chunk(self, in_backward: bool = False) -> int:
         """Elements per chunk of the NVMe step: the user's `chunk_elems`, else the ring of chunk
         buffers (3 slots x param, grad and up to 3 states, fp32 at most) in half of the smallest
-        budget this optimizer's NVMe parameters were planned under."""
+        budget this optimizer's NVMe parameters were planned under; in a backward (step_in_backward)
+        in 1/IN_BACKWARD_SHARE of it: there it adds to the graph's memory, which the plan did not count."""
         if self.chunk_elems is not None:
             chunk = int(self.chunk_elems)
             if chunk <= 0 or chunk % _ALIGN_ELEMS:
@@ -615,7 +687,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         budgets = [e.budget for _, _, e in self._layout.nvme if e.budget]
         if not budgets:
             return DEFAULT_CHUNK_ELEMS
-        fit = min(budgets) // (2 * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
+        share = IN_BACKWARD_SHARE if in_backward else 2
+        fit = min(budgets) // (share * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
         return max(_ALIGN_ELEMS, min(DEFAULT_CHUNK_ELEMS, fit))
 
     @property
@@ -631,31 +704,37 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for gi, _, e in self._layout.nvme:
             if not e.has_grad:
                 continue
-            g = self._plain.param_groups[gi]
-            if g.get("differentiable") or g.get("capturable"):
-                raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
-                                "and capturable=True are not supported there")
-            rec = self._nvme_state.get(id(e)) or _NvmeState()
-            if not self._fast():
-                fds = {n: e.state_fds[n] for n in rec.names} if rec.step else {}
-                work.append(_Work(e, g, rec.step, rec.names if rec.step else (), fds, e.engine, {},
-                                  scalars=rec.scalars if rec.step else None))
-                continue
-            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
-            if rec.step and not set(names) <= set(rec.names):
-                raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
-                                "turned on after the first step?)")
-            fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
-            work.append(_Work(e, g, rec.step, names, fds, e.engine, {}))
+            if id(e) in self._bw.work:
+                raise ZinfError(f"zinf: {e.name!r} was stepped in backward and got a gradient since (written "
+                                "outside a backward?); call opt.zero_grad() and run the step again")
+            work.append(self._nvme_work(gi, e))
         return work
 
-    def _nvme_step(self, work: list["_Work"]) -> None:
+    def _nvme_work(self, gi: int, e: Entry) -> "_Work":
+        """One NVMe parameter's step: its group, step count, states and the files they are read from."""
+        g = self._plain.param_groups[gi]
+        if g.get("differentiable") or g.get("capturable"):
+            raise ZinfError("zinf: the NVMe tier's optimizer computes on the CPU: differentiable=True "
+                            "and capturable=True are not supported there")
+        rec = self._nvme_state.get(id(e)) or _NvmeState()
+        if not self._fast():
+            fds = {n: e.state_fds[n] for n in rec.names} if rec.step else {}
+            return _Work(e, g, rec.step, rec.names if rec.step else (), fds, e.engine, {},
+                         scalars=rec.scalars if rec.step else None)
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
+        if rec.step and not set(names) <= set(rec.names):
+            raise ZinfError(f"zinf: {e.name!r} has no {set(names) - set(rec.names)} state (amsgrad "
+                            "turned on after the first step?)")
+        fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
+        return _Work(e, g, rec.step, names, fds, e.engine, {})
+
+    def _nvme_step(self, work: list["_Work"], chunk: int | None = None) -> None:
         """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
         with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
         to the record's spare file, never over the one read: until `_nvme_commit` switches the
         slots, the previous step's parameters and states are whole in their files. A failure
         here leaves them (and everything else) as they were: nothing was applied."""
-        chunk = self._chunk()
+        chunk = chunk or self._chunk()
         try:
             for w in work:
                 w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
@@ -689,8 +768,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
             w, start, n = chunks[i]
             v = views(i)
             off = start * w.entry.shard_dtype.itemsize
-            futs = [pool.submit(w.engine.read_file, w.entry.fd, v["param"], off),
-                    pool.submit(w.entry.read_grad_into, v["grad"], start)]  # with a pending clip's scale
+            futs = [pool.submit(w.engine.read_file, w.entry.fd, v["param"], off)]
+            if w.grad is not None:  # stepping in backward: the gradient is in memory
+                v["grad"].copy_(w.grad[start:start + n])
+            else:
+                futs.append(pool.submit(w.entry.read_grad_into, v["grad"], start))  # with a pending clip's scale
             for name in w.names:
                 if w.step == 0:
                     v[name].zero_()  # torch starts its states at zeros; the files hold nothing yet
@@ -727,6 +809,117 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 raise
             raise self._nothing_applied(err) from err
 
+    # -- stepping in backward (step_in_backward=True; the module's docstring) ----------------------
+    def take_grad(self, e: Entry, part: torch.Tensor, rows: tuple[int, int] | None) -> bool:
+        """Entry.add_grad's sink: step `e` now if this contribution (its `e.reduces`-th this step)
+        makes its gradient whole, as counted in an earlier step; False to let the gradient go to
+        its tier as usual. Runs inside the backward (the graph's reduce, or an eager read's)."""
+        bw = self._bw
+        if id(e) in bw.work:
+            self._abandon_backward()
+            bw.expect.clear()
+            raise ZinfError(
+                f"zinf: parameter {e.name!r} got another gradient after step_in_backward stepped it in this "
+                f"step (an earlier step made its gradient whole in fewer reductions: gradient accumulation over "
+                f"more backward calls than before, or the parameter used more often). The step is abandoned: "
+                f"every parameter and optimizer state is as the previous step left them, and this step's "
+                f"gradients are lost. Call opt.zero_grad() and run the step again (the counts are learned "
+                f"anew), or make the optimizer with step_in_backward=False")
+        task = torch._C._current_graph_task_id()
+        if task < 0 or bw.expect.get(id(e)) != e.reduces:
+            return False  # not in a backward (a take-over's gradient), or not whole yet, or never counted
+        p = e.param()
+        got = self._layout.where.get(id(p)) if p is not None else None
+        if got is None or got[0] != "nvme" or got[1] is not e:
+            return False  # not in this optimizer's layout (yet): step() steps it
+        gi = got[2]
+        hyper = self._hyper(gi)
+        try:
+            if gi in bw.hyper and not _same_hyper(bw.hyper[gi], hyper):
+                raise ZinfError("zinf: the hyperparameters changed within one backward; step_in_backward "
+                                "steps every parameter of a group with the same ones")
+            w = self._nvme_work(gi, e)
+        except BaseException:
+            self._abandon_backward()
+            raise
+        if rows is not None or e.has_grad:
+            e.accumulate_grad(part, rows)  # earlier parts are in the file: the step reads the sum there
+        else:
+            w.grad = part  # the whole gradient, in memory: it never reaches the file
+        try:
+            self._nvme_step([w], self._chunk(in_backward=True))
+        except BaseException as err:
+            self._abandon_backward()
+            if not isinstance(err, Exception):
+                raise
+            raise ZinfError(
+                f"zinf: stepping {e.name!r} in backward failed ({err.__cause__ or err}); this step is abandoned: "
+                f"every parameter and optimizer state is as the previous step left them, and this step's "
+                f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step "
+                f"again") from err
+        w.grad = None  # may be the graph's buffer: not kept past this call
+        e.drop_grad()
+        bw.work[id(e)] = w
+        bw.hyper.setdefault(gi, hyper)
+        if task not in bw.open:  # the backward's end (only when it completes) closes it
+            bw.open.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_backward_done, weakref.ref(self), task))
+        _point("step-in-backward:stepped")
+        return True
+
+    def grad_cleared(self, e: Entry) -> None:
+        """The store cleared `e`'s gradient (zero_grad): a step taken with it in backward goes too."""
+        w = self._bw.work.pop(id(e), None)
+        if w is not None:
+            self._keep_spares([w])
+        if not self._bw.work:
+            self._bw.clear()
+
+    def _abandon_backward(self) -> None:
+        """Drop every step taken in backward and not committed (their files are spares again)."""
+        self._keep_spares(list(self._bw.work.values()))
+        self._bw.clear()
+
+    def _check_backward_steps(self) -> None:
+        """Before a commit: the steps taken in backward may be committed (their backward completed
+        and the hyperparameters are those they were taken with); otherwise dropped, and refused."""
+        bw = self._bw
+        if not bw.work:
+            return
+        why = None
+        if bw.open:
+            why = ("the backward that stepped them did not complete (it raised, or step() runs inside it)")
+        else:
+            for gi, hyper in bw.hyper.items():
+                if not _same_hyper(hyper, self._hyper(gi)):
+                    changed = sorted(k for k in hyper if not _same_hyper({k: hyper[k]}, {k: self._hyper(gi).get(k)}))
+                    why = (f"hyperparameters {changed} of group {gi} changed between the backward and step(): "
+                           f"set them before the forward (or step a scheduler after step())")
+                    break
+        if why is None:
+            return
+        n = len(bw.work)
+        self._abandon_backward()
+        raise ZinfError(f"zinf: {n} parameter(s) were stepped in backward (step_in_backward=True) but {why}. "
+                        f"Nothing was applied: every parameter and optimizer state is as the previous step left "
+                        f"them. Call opt.zero_grad() and run the step again")
+
+    def _attach_sinks(self, old: _Layout, lay: _Layout) -> None:
+        """With step_in_backward, the NVMe tier's entries hand their gradients to this optimizer."""
+        mine = {id(e) for _, _, e in lay.nvme} if self.step_in_backward else set()
+        for _, _, e in old.nvme:
+            if id(e) not in mine and e.grad_sink is not None and e.grad_sink() is self:
+                e.grad_sink = None
+        if not self.step_in_backward:
+            return
+        for _, _, e in lay.nvme:
+            other = e.grad_sink() if e.grad_sink is not None else None
+            if other is not None and other is not self:
+                raise ZinfError(f"zinf: parameter {e.name!r} is already stepped in backward by another optimizer "
+                                "(step_in_backward=True): one optimizer per parameter")
+            e.grad_sink = weakref.ref(self)
+
     def _fast(self) -> bool:
         """Adam and AdamW: the pipelined NVMe step (torch's functional adam on each chunk)."""
         return self._cls in _supported_nvme()
@@ -753,7 +946,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 p = torch.empty(n, dtype=dt)
                 w.engine.read_file(e.fd, p, off)
                 grad = torch.empty(n, dtype=dt)
-                e.read_grad_into(grad, start)
+                if w.grad is not None:  # stepping in backward: the gradient is in memory
+                    grad.copy_(w.grad[start:start + n])
+                else:
+                    e.read_grad_into(grad, start)
                 st = {}
                 for name in w.names:
                     st[name] = torch.empty(n, dtype=dt)
@@ -795,6 +991,52 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     spare[name] = old
             w.out = {}
             self._nvme_state[id(e)] = _NvmeState(w.step + 1, w.names, w.scalars or {})
+
+
+@dataclass
+class _BackwardSteps:
+    """The NVMe tier's steps taken in backward, waiting for step() to commit them."""
+
+    work: dict = field(default_factory=dict)  # id(entry) -> its _Work, new values in the spare slots
+    hyper: dict = field(default_factory=dict)  # group index -> the hyperparameters they were taken with
+    open: set = field(default_factory=set)  # graph tasks (backward calls) that stepped and have not completed
+    expect: dict = field(default_factory=dict)  # id(entry) -> reduces that make its gradient whole (counted)
+
+    def clear(self) -> None:
+        self.work.clear()
+        self.hyper.clear()
+        self.open.clear()
+
+
+def _backward_done(ref: "weakref.ref[ZinfOptimizer]", task: int) -> None:
+    """Autograd's final callback of a backward that stepped parameters: it completed."""
+    opt = ref()
+    if opt is not None:
+        opt._bw.open.discard(task)
+
+
+def _same_hyper(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.shape == w.shape
+                    and torch.equal(v, w)):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+def _check_in_backward_class(cls: type, kwargs: dict) -> None:
+    if issubclass(cls, _whole_param_classes()):
+        raise ZinfError(f"zinf: step_in_backward=True steps each parameter's shard as its gradient arrives; "
+                        f"{cls.__name__}'s update is not elementwise (it needs whole parameters or every "
+                        f"gradient at once): use step_in_backward=False")
+    if kwargs.get("differentiable") or kwargs.get("capturable"):
+        raise ZinfError("zinf: step_in_backward=True steps the NVMe tier on the CPU inside the backward: "
+                        "differentiable=True and capturable=True are not supported; use step_in_backward=False")
 
 
 # A test hook (tests/workers/): called with the name of a point of a step, e.g. to pause there
@@ -848,6 +1090,7 @@ class _Work:
     engine: Any
     out: dict  # "param" and state names -> the file the new values go to (the spare slot)
     scalars: dict | None = None  # other optimizers: the states that are not per element (step, ...)
+    grad: torch.Tensor | None = None  # stepping in backward: the whole flat gradient (else read from its file)
 
 
 def _generic_chunk(cls: type, kwargs: dict, group: dict, p: torch.Tensor, grad: torch.Tensor, states: dict,

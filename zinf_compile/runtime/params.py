@@ -105,6 +105,14 @@ class Entry:
     file_nos: list = field(default_factory=list)  # swap-folder file numbers this entry holds
     # the budget of the compile that took it over: its optimizer's default chunk size follows it
     budget: int | None = None
+    # gradient contributions (reduces) added since the gradient was last cleared: an optimizer that
+    # steps in backward learns from one step how many make the gradient whole (zinf_compile/optim.py)
+    reduces: int = 0
+    # a weak reference to whatever consumes this entry's gradient as it arrives (a ZinfOptimizer made
+    # with step_in_backward=True), or None: `add_grad` offers it each contribution first
+    # (`take_grad(entry, part, rows) -> bool`: True when it took it), and clearing the gradient
+    # tells it (`grad_cleared(entry)`)
+    grad_sink: weakref.ref | None = field(default=None, repr=False)
     # nvme tier, in place: the shard is bytes of a file zinf does not own (a safetensors checkpoint,
     # zinf_compile.loading), `fd` opened read-only, the shard from byte `base`. The first write or
     # gradient moves it to a swap file of its own (`_own_file`); until then nothing writes `fd`.
@@ -274,7 +282,24 @@ class Entry:
 
     def add_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Accumulate `part` (this rank's flat gradient, or of `rows` of it, on the CPU in
-        shard_dtype; the CPU tier keeps it: there no one may alias it) into the shard gradient."""
+        shard_dtype; the CPU tier keeps it: there no one may alias it) into the shard gradient,
+        unless the entry's gradient sink takes it (an optimizer stepping in backward)."""
+        self.reduces += 1
+        sink = self.grad_sink() if self.grad_sink is not None else None
+        if sink is not None and sink.take_grad(self, part, rows):
+            return
+        self.accumulate_grad(part, rows)
+
+    def drop_grad(self) -> None:
+        """Forget the gradient (taken by a step in backward), keeping the count of its reduces."""
+        with self.lock:
+            self.grad = None
+            self.has_grad = False
+            self.grad_parts.clear()
+            self.grad_scales.clear()
+
+    def accumulate_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """add_grad without the sink: `part` into the gradient, in its tier."""
         with self.lock:
             self._own_file()  # a gradient: the optimizer will write the shard
             if self.grad_scales and self.has_grad:
@@ -718,6 +743,10 @@ class ParamStore:
             e.grad = None
             e.has_grad = False
             e.grad_parts.clear()
+            e.reduces = 0
+            sink = e.grad_sink() if e.grad_sink is not None else None
+            if sink is not None:
+                sink.grad_cleared(e)  # a step taken in backward with this gradient is dropped with it
 
     def _require(self, t: torch.Tensor) -> Entry:
         e = self.entry(t)
