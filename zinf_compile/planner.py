@@ -501,7 +501,7 @@ def choose_levers(facts: GraphFacts, nbytes, live: np.ndarray, budget: int, prof
                              facts.rebuild_gaps)
     if live.max() > budget and recs:
         live[:] = start
-        only = tuple(r for r in facts.recomputes if in_floor(r, facts.gaps, facts.recomputes))
+        only = in_floor(facts.recomputes, facts.gaps)
         gaps, recs = _cover_with(facts.gaps, only, nbytes, live, budget, profile, tier, frees)
     return gaps, recs
 

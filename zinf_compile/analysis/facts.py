@@ -283,10 +283,9 @@ def _floor_of(live: np.ndarray, buffers, gaps, recomputes) -> np.ndarray:
     floor = live.copy()
     for g in gaps:
         floor[g.after + 1:g.before] -= buffers[g.buffer].nbytes
-    for r in recomputes:
-        if in_floor(r, gaps, recomputes):
-            floor[r.after + 1:r.before] -= r.nbytes
-            floor[r.before] += r.temp_nbytes
+    for r in in_floor(recomputes, gaps):
+        floor[r.after + 1:r.before] -= r.nbytes
+        floor[r.before] += r.temp_nbytes
     return floor
 
 

@@ -83,6 +83,7 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
     for p, n in saved.items():
         placeholders.setdefault(n, []).append(p)
     buffer_of = {a: b.id for b in buffers for a in b.aliases}
+    order: dict[fx.Node, int] = {}  # graph order of the forward's nodes, once (per chain was quadratic)
     out = []
     for b in buffers:
         if b.role != "saved" or b.nbytes == 0:
@@ -97,7 +98,9 @@ def recompute_candidates(buffers, saved: dict, step_of: dict, bw_start: int, ste
         if not bw_uses or not fw_events or x.op == "placeholder":
             continue
         before, after = min(bw_uses), max(fw_events)
-        found = _chain(x, placeholders)
+        if not order:
+            order = {n: i for i, n in enumerate(x.graph.nodes)}
+        found = _chain(x, placeholders, order)
         if found is None:
             continue
         chain, leaves = found
@@ -154,8 +157,8 @@ def _traffic(n: fx.Node) -> int:
     return total
 
 
-def _chain(x: fx.Node, available: dict) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
-    """(the forward nodes rebuilding x, in graph order; the saved nodes they read), or None."""
+def _chain(x: fx.Node, available: dict, order: dict) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
+    """(the forward nodes rebuilding x, in graph `order`; the saved nodes they read), or None."""
     nodes: set[fx.Node] = set()
     leaves: set[fx.Node] = set()
     todo = [x]
@@ -173,7 +176,6 @@ def _chain(x: fx.Node, available: dict) -> tuple[tuple[fx.Node, ...], tuple[fx.N
                 return None  # a size computed in the forward (a SymInt node): not in the backward
         nodes.add(n)
         todo.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(x.graph.nodes)}
     return tuple(sorted(nodes, key=order.get)), tuple(sorted(leaves, key=order.get))
 
 
@@ -193,17 +195,31 @@ def rebuild_gaps(recomputes, gaps) -> tuple:
     a recompute it chose excludes the whole one."""
     import dataclasses
 
+    by_buffer = _by_buffer(gaps)
     out = {}
     for r in recomputes:
-        for g in gaps:
-            if g.buffer in r.leaf_buffers and g.after < r.before < g.before and g.source.graph is not g.target.graph:
+        for g in (g for lb in r.leaf_buffers for g in by_buffer.get(lb, ())):
+            if g.after < r.before < g.before and g.source.graph is not g.target.graph:
                 cut = dataclasses.replace(g, before=r.before)
                 out.setdefault((cut.buffer, cut.after, cut.before), cut)
     return tuple(out[k] for k in sorted(out))
 
 
-def in_floor(r: Recompute, gaps, recomputes) -> bool:
-    """Whether r counts in the floor: its storage has no gap (else the gaps free it already), no
-    gap of a leaf excludes it, and no leaf is itself rebuilt: every lever of the floor can then be
-    used together."""
-    return not any(conflicts(r, g) for g in gaps) and not any(o.buffer in r.leaf_buffers for o in recomputes)
+def in_floor(recomputes, gaps) -> tuple:
+    """The recomputes the floor counts: each one's storage has no gap (else the gaps free it
+    already), no gap of a leaf excludes it (`conflicts`), and no leaf is itself rebuilt: every lever
+    of the floor can then be used together. Gaps indexed by buffer once (recomputes x gaps, for
+    each recompute, was quadratic)."""
+    by_buffer = _by_buffer(gaps)
+    rebuilt = {o.buffer for o in recomputes}
+    return tuple(r for r in recomputes
+                 if r.buffer not in by_buffer
+                 and not any(conflicts(r, g) for lb in r.leaf_buffers for g in by_buffer.get(lb, ()))
+                 and not any(lb in rebuilt for lb in r.leaf_buffers))
+
+
+def _by_buffer(gaps) -> dict:
+    out: dict[int, list] = {}
+    for g in gaps:
+        out.setdefault(g.buffer, []).append(g)
+    return out

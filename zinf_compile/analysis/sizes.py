@@ -38,7 +38,7 @@ def tensor_nbytes(val: torch.Tensor) -> int:
 
 
 def shape_str(val: torch.Tensor) -> str:
-    return "[" + ", ".join(str(expr_of(s)) for s in val.shape) + "]"
+    return "[" + ", ".join(str(s) if isinstance(s, int) else str(expr_of(s)) for s in val.shape) + "]"
 
 
 def dense_dim_order(val: torch.Tensor) -> list[int] | None:
