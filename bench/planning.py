@@ -11,6 +11,8 @@ and backward (what `zinf plan` does: nothing is allocated) and times, on the cap
     with params      plan_offline(params="auto") under the same budget: the whole pipeline (gathers
                      for every candidate, one partition, the planner's decisions, every pass and
                      its verification), without the capture it runs inside
+    end to end       the same plan_offline call's wall time: what `zinf plan` takes, capture included
+                     (comparable with an older zinf's capture + its planning)
 
 For the smallest depths (`--inductor-layers`) another fresh process compiles the same model, for
 real, with Inductor (torch.compile, forward+backward of one step) and times that: what planning
@@ -75,11 +77,13 @@ def worker(args) -> dict:
     planned = time.perf_counter() - t0
     # with parameters: the whole pipeline (gathers for every candidate, one partition, the planner's
     # decisions, every pass applied and verified), timed without the capture it runs inside
+    t0 = time.perf_counter()
     full = plan_offline(build, kwargs, budget, profile, "nvme", params="auto")
+    end_to_end = time.perf_counter() - t0
     with_params = sum(full.seconds.values())
     return dict(layers=args.n, nodes=nodes, steps=len(facts.steps), buffers=len(facts.buffers), gaps=len(facts.gaps),
                 capture_s=capture, analyse_s=analysed, plan_s=planned, plan_total_s=analysed + planned,
-                with_params_s=with_params, budget=budget, peak_before=plan.peak_before, peak_after=plan.peak_after,
+                with_params_s=with_params, end_to_end_s=end_to_end, budget=budget, peak_before=plan.peak_before, peak_after=plan.peak_after,
                 offloads=len(plan.moves()) // 3, managed=len(full.plan.params), decisions=[n for n in full.plan.notes if n.startswith(('parameters', 'tiles'))])
 
 
@@ -141,11 +145,11 @@ def _machine() -> dict:
 
 def _table(rows, inductor, summary, checks) -> str:
     lines = [f"{'layers':>6} {'nodes':>7} {'steps':>6} {'gaps':>6} {'capture s':>9} {'analyse s':>9} {'plan s':>7} "
-             f"{'s/10k nodes':>11} {'with params s':>13} {'managed':>7}"]
+             f"{'s/10k nodes':>11} {'with params s':>13} {'end to end s':>12} {'managed':>7}"]
     for r in rows:
         lines.append(f"{r['layers']:>6} {r['nodes']:>7} {r['steps']:>6} {r['gaps']:>6} {r['capture_s']:>9.1f} "
                      f"{r['analyse_s']:>9.2f} {r['plan_s']:>7.2f} {r['plan_total_s'] / r['nodes'] * 1e4:>11.3f} "
-                     f"{r['with_params_s']:>13.2f} {r['managed']:>7}")
+                     f"{r['with_params_s']:>13.2f} {r['end_to_end_s']:>12.1f} {r['managed']:>7}")
     for i in inductor:
         lines.append(f"Inductor compile, {i['layers']} layers: {i['inductor_s']:.1f} s"
                      + (f" (zinf's analyse + plan of the same graphs: {i['zinf_plan_s']:.2f} s)" if "zinf_plan_s" in i
@@ -169,6 +173,7 @@ def _draw(rows, inductor, path) -> None:
     ax.loglog(xs, [r["plan_total_s"] for r in rows], "o-", color="#2a9d8f", label="zinf: analyse + plan")
     ax.loglog(xs, [r["with_params_s"] for r in rows], "s-", color="#457b9d",
               label="zinf: with the parameter choice (params=auto)")
+    ax.loglog(xs, [r["end_to_end_s"] for r in rows], "v-", color="#1d3557", label="zinf plan, end to end")
     ax.loglog(xs, [r["capture_s"] for r in rows], "^--", color="#8d99ae", label="capture under FakeTensorMode")
     ind = [i for i in inductor if "nodes" in i]
     if ind:
