@@ -77,7 +77,7 @@ def test_engine_reads_of_a_truncated_file_name_it(tmp_path):
         for read in (lambda: e.wait(e.prefetch(h, x.device), x.device, [0]),
                      lambda: e.map_file(fd, 0, 1000, torch.float32),
                      lambda: e.read_file(fd, torch.empty(1000))):
-            with pytest.raises(ZinfError, match=r"swap-0\.bin \(an offloaded activation\) holds 100 bytes, 4000"):
+            with pytest.raises(ZinfError, match=r"swap-0\.bin \(an offloaded activation, float32\[1000\]\) holds 100 bytes, 4000"):
                 read()
         os.close(fd)  # a file that cannot be read at all
         with pytest.raises(ZinfError, match="cannot be read"):
