@@ -570,3 +570,146 @@ def test_a_parameter_dying_in_another_thread_while_the_store_is_busy_does_not_wa
     fresh = torch.nn.Parameter(torch.randn(16))
     STORE.identify(fresh, "fresh")  # takes the lock: the dead one is forgotten now
     assert pid not in STORE._forgotten and pid not in STORE._keys
+
+
+# -- damaged swap records -------------------------------------------------------------------------
+RECORD_DAMAGE = ("zeroed", "flipped", "garbage")
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _damage_record(fd: int, nbytes: int, how: str) -> bytes:
+    """Damage the record in the first `nbytes` bytes of fd's file behind zinf's back (another
+    open of the file: what a failing disk or a stray process does); returns the bytes to restore."""
+    with open(_fd_path(fd), "r+b") as f:
+        saved = f.read(nbytes)
+        assert len(saved) == nbytes
+        if how == "zeroed":
+            new = bytes(nbytes)
+        elif how == "flipped":
+            new = bytearray(saved)
+            new[nbytes // 2] ^= 0x40
+        else:
+            new = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+            new = new.numpy().tobytes()
+        assert new != saved
+        f.seek(0)
+        f.write(new)
+    return saved
+
+
+def _restore_record(fd: int, saved: bytes) -> None:
+    with open(_fd_path(fd), "r+b") as f:
+        f.write(saved)
+
+
+def test_a_damaged_shard_fails_the_forward_naming_the_parameter_and_file(tmp_path):
+    """A shard file zeroed, with a flipped byte or garbage under a compiled model: the gather (a
+    checked mapping of the file) raises SwapCorruptionError naming the parameter and the file;
+    restored, the forward gives the same output as before."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    model = build()
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
+                                                         "offload_dir": str(tmp_path)})
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = cm(x)
+        e = STORE.entry(model[2].weight)
+        assert e.tier == "nvme" and e.maps and e.engine.checksums
+        for how in RECORD_DAMAGE:
+            saved = _damage_record(e.fd, e.shard_nbytes, how)
+            with pytest.raises(SwapCorruptionError) as info:
+                cm(x)
+            msg = str(info.value)
+            assert "shard of parameter '2.weight'" in msg and _fd_path(e.fd) in msg and "corrupt" in msg, msg
+            with pytest.raises(SwapCorruptionError, match="2.weight"):
+                STORE.full(e)  # a plain read of it (state_dict, a released parameter)
+            _restore_record(e.fd, saved)
+            assert torch.equal(cm(x), out)
+    zinf_compile.reset()
+
+
+def test_a_damaged_gradient_state_or_shard_fails_the_step_and_applies_nothing(tmp_path):
+    """The gradient file, each optimizer-state file and the shard file of a parameter in the NVMe
+    tier, each zeroed, with a flipped byte, or garbage before step 2: the step raises a ZinfError
+    caused by a SwapCorruptionError, naming the parameter, the record and the file; nothing is
+    applied. Restored, step 2 gives torch's AdamW result bit for bit."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    give(model, grads(2, model))
+    before = snapshot(model, opt)
+    e = STORE.entry(model[0].weight)
+    records = {"gradient": e.grad_fd, "optimizer state 'exp_avg'": e.state_fds["exp_avg"],
+               "optimizer state 'exp_avg_sq'": e.state_fds["exp_avg_sq"], "shard": e.fd}
+    for what, fd in records.items():
+        for how in RECORD_DAMAGE:
+            saved = _damage_record(fd, e.shard_nbytes, how)
+            with pytest.raises(ZinfError, match="nothing was applied") as info:
+                opt.step()
+            msg = str(info.value)
+            assert isinstance(info.value.__cause__, SwapCorruptionError), repr(info.value.__cause__)
+            assert f"{what} of parameter '0.weight'" in msg and _fd_path(fd) in msg and "corrupt" in msg, msg
+            _restore_record(fd, saved)
+            assert_snapshot(model, opt, before)
+    opt.step()
+    step_ref(ref, ref_opt, grads(2, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+def test_offloaded_activations_are_checked_and_a_clean_run_matches_inductor(tmp_path, monkeypatch):
+    """Training with activations offloaded to NVMe files (checksummed) gives Inductor's losses and
+    parameters bit for bit; then an activation file damaged between the forward that wrote it and
+    the backward that reads it fails the backward with SwapCorruptionError naming the file."""
+    from mlp import build as build_mlp
+
+    from zinf_compile.errors import SwapCorruptionError
+    from zinf_compile.runtime.state import RUNTIME
+
+    def train(m, inputs, steps):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for _ in range(steps):
+            loss = m(*inputs).pow(2).mean()
+            loss.backward()
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+        return losses
+
+    ref, inputs = build_mlp()
+    model, _ = build_mlp()
+    ref_losses = train(torch.compile(ref), inputs, 2)
+    zinf_compile.reset()
+    cm = torch.compile(model, backend="zinf", options={"budget": "85%", "offload": "nvme",
+                                                         "offload_dir": str(tmp_path)})
+    assert train(cm, inputs, 2) == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    eng = next(e for e in RUNTIME.engines.values() if e.offload_dir == str(tmp_path))
+    assert eng.checksums and eng.stats["offloads"] > 0 and any(eng.swap.sums.values())
+    for how in RECORD_DAMAGE:
+        real = type(eng).prefetch
+
+        def damaging(h, device, how=how):
+            s = eng._stored_of(h)
+            _damage_record(s.fd, s.nbytes, how)
+            return real(eng, h, device)
+
+        monkeypatch.setattr(eng, "prefetch", damaging)
+        loss = cm(*inputs).pow(2).mean()
+        with pytest.raises(SwapCorruptionError) as info:
+            loss.backward()
+        msg = str(info.value)
+        assert "an offloaded activation, float32[512, 256]" in msg and str(tmp_path) in msg and "corrupt" in msg, msg
+        monkeypatch.undo()
+    model.zero_grad(set_to_none=True)
+    zinf_compile.reset()
