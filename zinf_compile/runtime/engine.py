@@ -74,6 +74,11 @@ def _byte_view(t: torch.Tensor):
 class OffloadEngine:
     """One per (tier, offload_dir, io options); ops find it through `engine(key)`."""
 
+    # Every swap record carries crc32s, checked on each read (see _sums_of). Not an option: it costs
+    # little (`python -m bench integrity`); False only where that is measured, on an engine that
+    # has written nothing yet (records written unchecked have no sums to check later).
+    checksums: bool = True
+
     def __init__(self, key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> None:
         self.key = key
         self.tier = tier
@@ -90,9 +95,6 @@ class OffloadEngine:
         self.stats = {"offloads": 0, "prefetches": 0, "waits": 0, "bytes_written": 0, "bytes_read": 0}
         self._parent_fds: frozenset[int] = frozenset()  # in a forked child: the parent's files, read-only
         self._parent_sums: dict[int, dict] = {}  # and their checksums
-        # checksum every swap record (bench/integrity.py measures the cost; tests switch it off to
-        # compare): see _sums_of
-        self.checksums = True
         if tier == "nvme":
             self.swap  # fail now, naming the path, rather than in the middle of a step
 
