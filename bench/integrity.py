@@ -19,10 +19,10 @@ mapping (zinf_compile/runtime/engine.py). Parts, all in one run:
            shards, gradients and both states read and written each step); two warm-ups (the
            second is the first with states), `--steps` timed
 
-infer and train run each mode ("on", "off": `OffloadEngine.checksums = False` in that process
-before anything is written) in a fresh process, alternated `--repeats` times; the median step time
-of each mode is reported with the overhead on/off - 1. Outputs and losses of the two modes must
-be equal (the checks change nothing they compute with). The page cache is warm (the files fit).
+infer and train run each mode (options={"checksums": True / False}) in a fresh process,
+alternated `--repeats` times; the median step time of each mode is reported with the overhead
+on/off - 1. Outputs and losses of the two modes must be equal (the checks change nothing they
+compute with). The page cache is warm (the files fit).
 Writes <out>/integrity.json.
 """
 from __future__ import annotations
@@ -54,17 +54,15 @@ def worker(args) -> dict:
     import torch
 
     import zinf_compile
-    from zinf_compile.runtime.engine import OffloadEngine
 
     part, mode = args.worker.split("-")
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)  # the modes' losses compared bit for bit
-    if mode == "off":
-        OffloadEngine.checksums = False  # this process only, before any swap file is written
     model, (idx, targets) = _model(args)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
-                                                         "offload_dir": args.offload_dir})
+                                                         "offload_dir": args.offload_dir,
+                                                         "checksums": mode == "on"})
     if part == "infer":
         def step():
             with torch.no_grad():

@@ -713,3 +713,28 @@ def test_offloaded_activations_are_checked_and_a_clean_run_matches_inductor(tmp_
         monkeypatch.undo()
     model.zero_grad(set_to_none=True)
     zinf_compile.reset()
+
+
+def test_the_checksums_option_turns_the_checks_off(tmp_path):
+    """options={"checksums": False}: nothing is summed or checked; a damaged shard then reads
+    through into the output (what the checks are there to stop). Anything else than a bool is
+    refused."""
+    from zinf_compile.config import ZinfConfig
+    from zinf_compile.errors import ZinfConfigError
+
+    assert ZinfConfig.from_options({}).checksums and not ZinfConfig.from_options({"checksums": False}).checksums
+    with pytest.raises(ZinfConfigError, match="checksums: expected True or False"):
+        ZinfConfig.from_options({"checksums": "off"})
+    model = build()
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme", "checksums": False,
+                                                         "offload_dir": str(tmp_path)})
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = cm(x)
+        e = STORE.entry(model[2].weight)
+        assert not e.engine.checksums and not any(e.engine.swap.sums.values())
+        saved = _damage_record(e.fd, e.shard_nbytes, "flipped")
+        assert not torch.equal(cm(x), out)
+        _restore_record(e.fd, saved)
+        assert torch.equal(cm(x), out)
+    zinf_compile.reset()

@@ -74,9 +74,9 @@ def _byte_view(t: torch.Tensor):
 class OffloadEngine:
     """One per (tier, offload_dir, io options); ops find it through `engine(key)`."""
 
-    # Every swap record carries crc32s, checked on each read (see _sums_of). Not an option: it costs
-    # little (`python -m bench integrity`); False only where that is measured, on an engine that
-    # has written nothing yet (records written unchecked have no sums to check later).
+    # Every swap record carries crc32s, checked on each read (see _sums_of). The option
+    # "checksums" (config.py) sets it per engine, before it writes anything: records written
+    # unsummed have no sums to check later.
     checksums: bool = True
 
     def __init__(self, key: int, tier: str, offload_dir: str, io_threads: int, o_direct: bool) -> None:
