@@ -304,6 +304,45 @@ def test_ctrl_c_during_the_commit_arrives_after_it(tmp_path, monkeypatch):
     zinf_compile.reset()
 
 
+def test_ctrl_c_in_the_middle_of_the_nvme_step_is_itself_and_the_retry_continues_exactly(tmp_path, monkeypatch):
+    """A real SIGINT (Python's default handler: KeyboardInterrupt) after the first, a middle and
+    the last but one chunk of step 2 has been written: KeyboardInterrupt reaches the caller as
+    itself (not wrapped in a ZinfError), step 1's parameters and states are intact, and the retry
+    gives torch's AdamW result bit for bit."""
+    import zinf_compile.optim as zoptim
+
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    give(model, grads(2, model))
+    before = snapshot(model, opt)
+    chunks = sum(STORE.entry(m.weight).shard_numel // CHUNK for m in (model[0], model[2]))
+    assert chunks == 16
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for n in (1, chunks // 2, chunks - 1):
+        written = []
+
+        def interrupt(name, n=n):
+            if name == "nvme-step:chunk-written":
+                written.append(name)
+                if len(written) == n:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(zoptim, "FAULT_HOOK", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        monkeypatch.setattr(zoptim, "FAULT_HOOK", None)
+        assert len(written) == n
+        assert_snapshot(model, opt, before)
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(2, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
 @pytest.mark.parametrize("mode", ["tmpfs", "hook"])
 def test_full_disk_while_loading_optimizer_states_changes_nothing(small_fs, tmp_path, mode):
     """A fresh optimizer has no state files yet: loading a checkpoint makes them. On a full disk
