@@ -482,6 +482,72 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(saved, what):
     assert_snapshot(model, opt, good)
 
 
+class _FailingReads:
+    """A file whose reads fail as a dying disk's do (EIO)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def _eio(self, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    read = readinto = readline = read1 = readinto1 = _eio
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.mark.parametrize("nth", [1, 3, 6, 8])
+def test_a_read_error_midway_through_a_load_changes_nothing(saved, monkeypatch, nth):
+    """Every file passed its checks, then the n-th file the load opens after them fails to read
+    (EIO): a parameter's, a later one's, an optimizer state's. The load raises a ZinfError naming
+    that file; model and optimizer are as they were; the swap files it staged are handed back;
+    loading again (the disk well) gives the checkpoint's state."""
+    import builtins
+
+    from zinf_compile import checkpoint as ckpt_mod
+
+    ckpt, model, opt, good = saved
+    before = snapshot(model, opt)
+    version = _version(ckpt)
+    e = STORE.entry(model[0].weight)
+    in_use = e.engine.swap.files_in_use()
+    checked, opened, failed = [], [], []
+    real_verify, real_open = ckpt_mod._verify, builtins.open
+
+    def verify(*args):
+        real_verify(*args)
+        checked.append(args[2])
+
+    def failing_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if len(checked) == 2 and isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith(version):
+            opened.append(os.fspath(file))
+            if len(opened) == nth:
+                failed.append(os.fspath(file))
+                return _FailingReads(f)
+        return f
+
+    monkeypatch.setattr(ckpt_mod, "_verify", verify)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(ZinfError) as info:
+        load_checkpoint(ckpt, model, opt)
+    monkeypatch.undo()
+    assert failed, f"the load opened {len(opened)} files after its checks"
+    msg = str(info.value)
+    assert repr(failed[0]) in msg and "Input/output error" in msg, msg
+    assert_snapshot(model, opt, before)
+    assert e.engine.swap.files_in_use() == in_use
+    load_checkpoint(ckpt, model, opt)
+    assert_snapshot(model, opt, good)
+
+
 def test_swapped_same_shaped_files_are_refused(saved):
     """0.weight (256x128) and 2.weight (128x256) have shards of the same shape: swapped, each file
     still has a valid zip and the right tensors, but not the right name (nor checksum)."""
