@@ -366,11 +366,13 @@ class OffloadEngine:
 
     # -- checksums: every swap record's bytes, per BLOCK_BYTES block of its file ----------------
     # A file's table maps block k (bytes [k*B, k*B + B)) to (length, crc32 of bytes [k*B, k*B +
-    # length)). A write that covers a block from its start and leaves nothing recorded after it
-    # checksums its own bytes; one that starts inside a block, or ends before what is recorded,
-    # merges: under the file's lock it reads the block, checks what was recorded, and writes. A
-    # read checks every block it touches: those it covers whole in its own buffer, the (at most
-    # two) it covers in part by reading the block again.
+    # length)). A write sums the whole blocks it covers from its own bytes, without a lock. A block
+    # it covers in part (a record's last block; a piece starting or ending inside one, as the
+    # optimizer's chunks and a tile's rows do, several at once in the I/O pool) is written and
+    # summed under the file's lock: when bytes of the block outside the write carry over, it reads
+    # the block, checks what was recorded, and sums it with the new bytes in. A read checks every
+    # block it touches: those it covers whole in its own buffer, the (at most two) it covers in
+    # part by reading the block again.
     def _sums_of(self, fd: int) -> dict | None:
         """The checksum table of a swap file (None: not ours, e.g. a checkpoint read in place)."""
         if not self.checksums:
@@ -387,34 +389,35 @@ class OffloadEngine:
     def _write_summed(self, fd: int, sums: dict, view, off: int, n: int, base: int) -> None:
         pos, end = base + off, base + off + n
         first, last = pos // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
-        merged, plain = [], {}
-        for k in range(first, last + 1):
-            lo, hi = max(pos, k * BLOCK_BYTES), min(end, (k + 1) * BLOCK_BYTES)
-            old = sums.get(k)
-            if lo == k * BLOCK_BYTES and (old is None or old[0] <= hi - lo):
-                plain[k] = (hi - lo, zlib.crc32(view[lo - base:hi - base]))
-            else:
-                merged.append(k)
-        if plain:  # one contiguous run of whole blocks (or a record's last block): no file read
-            lo = min(plain) * BLOCK_BYTES
-            hi = min(end, (max(plain) + 1) * BLOCK_BYTES)
-            for k in plain:
+        whole = range(-(-pos // BLOCK_BYTES), end // BLOCK_BYTES)  # the blocks covered whole
+        if len(whole):
+            lo, hi = whole.start * BLOCK_BYTES, whole.stop * BLOCK_BYTES
+            plain = {k: (BLOCK_BYTES, zlib.crc32(view[k * BLOCK_BYTES - base:(k + 1) * BLOCK_BYTES - base]))
+                     for k in whole}
+            for k in whole:
                 sums.pop(k, None)  # a failed write leaves these blocks unknown, not wrongly summed
             self._write_raw(fd, view, lo - base, hi - lo, base)
             sums.update(plain)
-        for k in merged:
-            self._merge_block(fd, sums, k, view, max(pos, k * BLOCK_BYTES), min(end, (k + 1) * BLOCK_BYTES), base)
+        for k in {first, last} - set(whole):
+            self._write_part(fd, sums, k, view, max(pos, k * BLOCK_BYTES), min(end, (k + 1) * BLOCK_BYTES), base)
 
-    def _merge_block(self, fd: int, sums: dict, k: int, view, lo: int, hi: int, base: int) -> None:
-        """Write bytes [lo, hi) of block k (file positions) and sum the block with the bytes it held."""
+    def _write_part(self, fd: int, sums: dict, k: int, view, lo: int, hi: int, base: int) -> None:
+        """Write bytes [lo, hi) of block k (file positions) and sum the block, with the bytes it
+        held before where they carry over (checked against their sum first)."""
         start = k * BLOCK_BYTES
+        new = view[lo - base:hi - base]
         with self._sum_lock(fd):
             old = sums.pop(k, None)
-            length = max(old[0] if old else 0, hi - start)
+            old_len = old[0] if old else 0
+            if lo == start and old_len <= hi - start:  # nothing carries over
+                self._write_raw(fd, view, lo - base, hi - lo, base)
+                sums[k] = (hi - start, zlib.crc32(new))
+                return
+            length = max(old_len, hi - start)
             block = self._read_block(fd, start, length)
-            if old is not None and zlib.crc32(block[:old[0]]) != old[1]:
-                raise SwapCorruptionError(self._corrupt(fd, start, start + old[0]))
-            block[lo - start:hi - start] = view[lo - base:hi - base]
+            if old is not None and zlib.crc32(block[:old_len]) != old[1]:
+                raise SwapCorruptionError(self._corrupt(fd, start, start + old_len))
+            block[lo - start:hi - start] = new
             self._write_raw(fd, view, lo - base, hi - lo, base)
             sums[k] = (length, zlib.crc32(block[:length]))
 
