@@ -689,14 +689,14 @@ class _Staged:
     not the model's. `release` hands the files back."""
 
     def __init__(self) -> None:
-        self._files: list[tuple] = []  # (engine, file number)
+        self._files: list[tuple] = []  # (engine, file number, fd)
 
     def keep(self, t: torch.Tensor, e: Entry | None, what: str):
         if e is None or e.tier != "nvme":
             return t
         swap = e.engine.swap
         n, fd = swap.acquire(f"{what} of parameter {e.name!r}, being loaded from a checkpoint")
-        self._files.append((e.engine, n))
+        self._files.append((e.engine, n, fd))
         e.engine.write_file(fd, t.detach().reshape(-1).contiguous())
         return _InFile(e.engine, fd, tuple(t.shape), t.dtype)
 
@@ -709,9 +709,14 @@ class _Staged:
         return out
 
     def release(self) -> None:
+        """Hand the staging files back, emptied (a free swap file keeps its size until reused)."""
         files, self._files = self._files, []
-        for engine, n in files:
+        for engine, n, fd in files:
             if engine._swap is not None:
+                try:
+                    os.ftruncate(fd, 0)
+                except OSError:
+                    pass
                 engine._swap.release(n)
 
 
