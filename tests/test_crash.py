@@ -41,6 +41,77 @@ def test_sigterm_removes_the_swap_folder(tmp_path):
     assert _folders(tmp_path) == []
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULT_WORKER = os.path.join(ROOT, "tests", "workers", "fault_worker.py")
+
+TRAINER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    import zinf_compile
+    from mlp import build
+    model, inputs = build()
+    cm = torch.compile(model, backend="zinf", options={"budget": "85%", "offload": "nvme", "params": "offload",
+                                                       "offload_dir": sys.argv[1]})
+    opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    step = 0
+    while True:
+        cm(*inputs).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step == 1:
+            print("training", flush=True)
+""")
+
+
+def test_sigterm_in_the_middle_of_an_nvme_optimizer_step_exits_and_removes_the_swap_folder(tmp_path):
+    """SIGTERM while the optimizer step is half-way through its chunks (the worker pauses after
+    one is written): the process exits with 128 + SIGTERM and its swap folder is gone, as after a
+    normal exit; the checkpoint saved before the step is untouched."""
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, FAULT_WORKER, str(swap), str(ckpt), "nvme-step:chunk-written"],
+                         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert p.stdout.readline().strip() == "paused nvme-step:chunk-written"
+        assert len(_folders(swap)) == 1 and os.listdir(swap / _folders(swap)[0])
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    assert not swap.exists()  # zinf made it (and the swap folder in it): zinf removed both
+    assert (ckpt / "CURRENT").exists()
+
+
+def test_sigterm_at_any_instant_of_compiled_training_exits_and_removes_the_swap_folder(tmp_path):
+    """A compiled model training with parameters, gradients, optimizer states and activations in
+    NVMe files, SIGTERM'd at several instants of its steps (forward, backward, optimizer): each
+    process exits with 128 + SIGTERM within a minute and leaves no swap folder behind."""
+    import time
+
+    delays = (0.0, 0.3, 0.9, 1.7)
+    procs = []
+    for i, _ in enumerate(delays):
+        d = tmp_path / f"run{i}"
+        procs.append((d, subprocess.Popen([sys.executable, "-c", TRAINER, str(d), os.path.join(ROOT, "examples")],
+                                          stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))))
+    try:
+        for (d, p), delay in zip(procs, delays):
+            assert p.stdout.readline().strip() == "training"
+            time.sleep(delay)
+            assert len(_folders(d)) == 1
+            p.send_signal(signal.SIGTERM)
+        for d, p in procs:
+            assert p.wait(60) == 128 + signal.SIGTERM, d
+            assert not d.exists(), (d, list(os.walk(d)))  # zinf made the folder: zinf removed it
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+
+
 def test_a_killed_process_folder_is_reaped_by_the_next(tmp_path):
     p = _start(tmp_path)
     p.kill()

@@ -77,7 +77,8 @@ def test_engine_reads_of_a_truncated_file_name_it(tmp_path):
         for read in (lambda: e.wait(e.prefetch(h, x.device), x.device, [0]),
                      lambda: e.map_file(fd, 0, 1000, torch.float32),
                      lambda: e.read_file(fd, torch.empty(1000))):
-            with pytest.raises(ZinfError, match=r"swap-0\.bin \(an offloaded activation\) holds 100 bytes, 4000"):
+            with pytest.raises(ZinfError, match=r"swap-0\.bin \(an offloaded activation, float32\[1000\]\) "
+                                                "holds 100 bytes, 4000"):
                 read()
         os.close(fd)  # a file that cannot be read at all
         with pytest.raises(ZinfError, match="cannot be read"):
@@ -197,3 +198,111 @@ def test_cold_regime_drops_the_page_cache_before_each_timed_step(monkeypatch):
     monkeypatch.setenv(_harness.COLD_ENV, "1")
     with pytest.raises(SystemExit, match="needs root"):
         _harness.measure_steps(lambda: 0.0, warmup=0, steps=1)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_checksums_follow_writes_at_any_offset_and_catch_one_flipped_byte(tmp_path, monkeypatch, direct):
+    """Random writes (whole blocks, pieces starting or ending inside a block, several chunks,
+    concurrent ones: the I/O pool) and reads of random ranges, plain and mapped, against a shadow
+    copy: every read returns the bytes written and passes its check. Then one byte of the file is
+    flipped: every read of a range in its block raises SwapCorruptionError naming the file and its
+    record; reads elsewhere still pass."""
+    import random
+
+    from zinf_compile.errors import SwapCorruptionError
+
+    B = eng_mod.BLOCK_BYTES
+    e = eng_mod.OffloadEngine(424260 + direct, "nvme", str(tmp_path), 4, "auto")
+    try:
+        e.choose_direct(direct)
+        if direct and not e.direct:
+            pytest.fail(f"{tmp_path} refuses O_DIRECT")
+        _, fd = e.swap.acquire("probe record")
+        rng = random.Random(5)
+        size = 2 * eng_mod.CHUNK_BYTES + 3 * B + 1000  # float32 elements: a multiple of 4 bytes
+        shadow = torch.zeros(size // 4)
+        e.write_file(fd, shadow)
+        pieces = [(0, size // 4)] + [(a, rng.randrange(1, 3 * B // 4)) for a in
+                                     (rng.randrange(0, size // 4 - 3 * B // 4) for _ in range(40))]
+        pieces += [(k * B // 4, B // 4) for k in range(3)] + [(B // 4 - 10, 20), (size // 4 - 7, 7)]
+        for a, n in pieces:
+            part = torch.randn(n)
+            e.write_file(fd, part, offset=4 * a)
+            shadow[a:a + n] = part
+        # concurrent writes sharing blocks: the pool runs them at once
+        sub = [(B // 4 * 5 + 1000 * i, 1000) for i in range(30)]
+        futures = []
+        parts = [torch.randn(n) for _, n in sub]
+        for (a, n), part in zip(sub, parts):
+            futures += e._submit_chunks(e._write_chunk, fd, part, 4 * n, 4 * a)
+            shadow[a:a + n] = part
+        for f in futures:
+            f.result()
+        # the optimizer's pattern: adjacent 16 KiB chunks inside blocks written at once, into a
+        # fresh record (a file just acquired: nothing summed yet) and over the one before; the
+        # writes at a block's start slowed down, so the chunks after them finish first
+        import time
+
+        real_pwrite = eng_mod._pwrite_all
+
+        def slow_at_block_start(fd_, mv, off_):
+            if off_ % B == 0 and fd_ != fd:
+                time.sleep(0.02)
+            return real_pwrite(fd_, mv, off_)
+
+        monkeypatch.setattr(eng_mod, "_pwrite_all", slow_at_block_start)
+        for at in (0, 3000) * 3:  # elements: from a block's start, from inside one
+            n2, fd2 = e.swap.acquire("chunks")
+            for _ in range(2):
+                region = torch.randn(2 * B // 4)
+                futures = []
+                for c in range(0, region.numel(), 4096):
+                    futures += e._submit_chunks(e._write_chunk, fd2, region[c:c + 4096], 4 * 4096, 4 * (at + c))
+                for f in futures:
+                    f.result()
+                got = e.host_empty(region.numel(), torch.float32)
+                e.read_file(fd2, got, offset=4 * at)
+                assert torch.equal(got, region)
+            e.swap.release(n2)
+        monkeypatch.undo()
+
+        def ranges():
+            r = random.Random(9)
+            yield 0, size // 4
+            for _ in range(30):
+                a = r.randrange(0, size // 4 - 1)
+                yield a, r.randrange(1, min(size // 4 - a, 2 * B // 4) + 1)
+
+        for a, n in ranges():
+            got = e.host_empty(n, torch.float32)
+            e.read_file(fd, got, offset=4 * a)
+            assert torch.equal(got, shadow[a:a + n]), (a, n)
+            if e.can_map():
+                assert torch.equal(e.map_file(fd, 4 * a, n, torch.float32), shadow[a:a + n]), (a, n)
+        bad = B + 12345  # a byte of block 1
+        with open(_path_of(fd), "r+b") as f:
+            f.seek(bad)
+            byte = f.read(1)
+            f.seek(bad)
+            f.write(bytes([byte[0] ^ 0x10]))
+        for a, n in ranges():
+            touches = 4 * a // B <= 1 <= (4 * (a + n) - 1) // B
+            reads = [lambda: e.read_file(fd, e.host_empty(n, torch.float32), offset=4 * a)]
+            if e.can_map():
+                reads.append(lambda: e.map_file(fd, 4 * a, n, torch.float32))
+            for read in reads:
+                if touches:
+                    with pytest.raises(SwapCorruptionError, match=r"swap-0\.bin \(probe record\) is corrupt: "
+                                       rf"bytes \[{B}, {2 * B}\)"):
+                        read()
+                else:
+                    read()
+        with pytest.raises(SwapCorruptionError, match="is corrupt"):  # a write merging into the block checks it
+            e.write_file(fd, torch.ones(3), offset=B + 8)
+        assert e.checksums  # and off, the damage reads through unnoticed (what the checks are for)
+        e.checksums = False
+        got = torch.empty(size // 4)
+        e.read_file(fd, got)
+        assert not torch.equal(got, shadow) and (got != shadow).sum() == 1
+    finally:
+        e.close()

@@ -304,6 +304,45 @@ def test_ctrl_c_during_the_commit_arrives_after_it(tmp_path, monkeypatch):
     zinf_compile.reset()
 
 
+def test_ctrl_c_in_the_middle_of_the_nvme_step_is_itself_and_the_retry_continues_exactly(tmp_path, monkeypatch):
+    """A real SIGINT (Python's default handler: KeyboardInterrupt) after the first, a middle and
+    the last but one chunk of step 2 has been written: KeyboardInterrupt reaches the caller as
+    itself (not wrapped in a ZinfError), step 1's parameters and states are intact, and the retry
+    gives torch's AdamW result bit for bit."""
+    import zinf_compile.optim as zoptim
+
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    give(model, grads(2, model))
+    before = snapshot(model, opt)
+    chunks = sum(STORE.entry(m.weight).shard_numel // CHUNK for m in (model[0], model[2]))
+    assert chunks == 16
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for n in (1, chunks // 2, chunks - 1):
+        written = []
+
+        def interrupt(name, n=n):
+            if name == "nvme-step:chunk-written":
+                written.append(name)
+                if len(written) == n:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(zoptim, "FAULT_HOOK", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        monkeypatch.setattr(zoptim, "FAULT_HOOK", None)
+        assert len(written) == n
+        assert_snapshot(model, opt, before)
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(2, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
 @pytest.mark.parametrize("mode", ["tmpfs", "hook"])
 def test_full_disk_while_loading_optimizer_states_changes_nothing(small_fs, tmp_path, mode):
     """A fresh optimizer has no state files yet: loading a checkpoint makes them. On a full disk
@@ -443,6 +482,72 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(saved, what):
     assert_snapshot(model, opt, good)
 
 
+class _FailingReads:
+    """A file whose reads fail as a dying disk's do (EIO)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def _eio(self, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    read = readinto = readline = read1 = readinto1 = _eio
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.mark.parametrize("nth", [1, 3, 6, 8])
+def test_a_read_error_midway_through_a_load_changes_nothing(saved, monkeypatch, nth):
+    """Every file passed its checks, then the n-th file the load opens after them fails to read
+    (EIO): a parameter's, a later one's, an optimizer state's. The load raises a ZinfError naming
+    that file; model and optimizer are as they were; the swap files it staged are handed back;
+    loading again (the disk well) gives the checkpoint's state."""
+    import builtins
+
+    from zinf_compile import checkpoint as ckpt_mod
+
+    ckpt, model, opt, good = saved
+    before = snapshot(model, opt)
+    version = _version(ckpt)
+    e = STORE.entry(model[0].weight)
+    in_use = e.engine.swap.files_in_use()
+    checked, opened, failed = [], [], []
+    real_verify, real_open = ckpt_mod._verify, builtins.open
+
+    def verify(*args):
+        real_verify(*args)
+        checked.append(args[2])
+
+    def failing_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if len(checked) == 2 and isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith(version):
+            opened.append(os.fspath(file))
+            if len(opened) == nth:
+                failed.append(os.fspath(file))
+                return _FailingReads(f)
+        return f
+
+    monkeypatch.setattr(ckpt_mod, "_verify", verify)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(ZinfError) as info:
+        load_checkpoint(ckpt, model, opt)
+    monkeypatch.undo()
+    assert failed, f"the load opened {len(opened)} files after its checks"
+    msg = str(info.value)
+    assert repr(failed[0]) in msg and "Input/output error" in msg, msg
+    assert_snapshot(model, opt, before)
+    assert e.engine.swap.files_in_use() == in_use
+    load_checkpoint(ckpt, model, opt)
+    assert_snapshot(model, opt, good)
+
+
 def test_swapped_same_shaped_files_are_refused(saved):
     """0.weight (256x128) and 2.weight (128x256) have shards of the same shape: swapped, each file
     still has a valid zip and the right tensors, but not the right name (nor checksum)."""
@@ -570,3 +675,171 @@ def test_a_parameter_dying_in_another_thread_while_the_store_is_busy_does_not_wa
     fresh = torch.nn.Parameter(torch.randn(16))
     STORE.identify(fresh, "fresh")  # takes the lock: the dead one is forgotten now
     assert pid not in STORE._forgotten and pid not in STORE._keys
+
+
+# -- damaged swap records -------------------------------------------------------------------------
+RECORD_DAMAGE = ("zeroed", "flipped", "garbage")
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _damage_record(fd: int, nbytes: int, how: str) -> bytes:
+    """Damage the record in the first `nbytes` bytes of fd's file behind zinf's back (another
+    open of the file: what a failing disk or a stray process does); returns the bytes to restore."""
+    with open(_fd_path(fd), "r+b") as f:
+        saved = f.read(nbytes)
+        assert len(saved) == nbytes
+        if how == "zeroed":
+            new = bytes(nbytes)
+        elif how == "flipped":
+            new = bytearray(saved)
+            new[nbytes // 2] ^= 0x40
+        else:
+            new = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+            new = new.numpy().tobytes()
+        assert new != saved
+        f.seek(0)
+        f.write(new)
+    return saved
+
+
+def _restore_record(fd: int, saved: bytes) -> None:
+    with open(_fd_path(fd), "r+b") as f:
+        f.write(saved)
+
+
+def test_a_damaged_shard_fails_the_forward_naming_the_parameter_and_file(tmp_path):
+    """A shard file zeroed, with a flipped byte or garbage under a compiled model: the gather (a
+    checked mapping of the file) raises SwapCorruptionError naming the parameter and the file;
+    restored, the forward gives the same output as before."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    model = build()
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme",
+                                                         "offload_dir": str(tmp_path)})
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = cm(x)
+        e = STORE.entry(model[2].weight)
+        assert e.tier == "nvme" and e.maps and e.engine.checksums
+        for how in RECORD_DAMAGE:
+            saved = _damage_record(e.fd, e.shard_nbytes, how)
+            with pytest.raises(SwapCorruptionError) as info:
+                cm(x)
+            msg = str(info.value)
+            assert "shard of parameter '2.weight'" in msg and _fd_path(e.fd) in msg and "corrupt" in msg, msg
+            with pytest.raises(SwapCorruptionError, match="2.weight"):
+                STORE.full(e)  # a plain read of it (state_dict, a released parameter)
+            _restore_record(e.fd, saved)
+            assert torch.equal(cm(x), out)
+    zinf_compile.reset()
+
+
+def test_a_damaged_gradient_state_or_shard_fails_the_step_and_applies_nothing(tmp_path):
+    """The gradient file, each optimizer-state file and the shard file of a parameter in the NVMe
+    tier, each zeroed, with a flipped byte, or garbage before step 2: the step raises a ZinfError
+    caused by a SwapCorruptionError, naming the parameter, the record and the file; nothing is
+    applied. Restored, step 2 gives torch's AdamW result bit for bit."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    give(model, grads(1, model))
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    give(model, grads(2, model))
+    before = snapshot(model, opt)
+    e = STORE.entry(model[0].weight)
+    records = {"gradient": e.grad_fd, "optimizer state 'exp_avg'": e.state_fds["exp_avg"],
+               "optimizer state 'exp_avg_sq'": e.state_fds["exp_avg_sq"], "shard": e.fd}
+    for what, fd in records.items():
+        for how in RECORD_DAMAGE:
+            saved = _damage_record(fd, e.shard_nbytes, how)
+            with pytest.raises(ZinfError, match="nothing was applied") as info:
+                opt.step()
+            msg = str(info.value)
+            assert isinstance(info.value.__cause__, SwapCorruptionError), repr(info.value.__cause__)
+            assert f"{what} of parameter '0.weight'" in msg and _fd_path(fd) in msg and "corrupt" in msg, msg
+            _restore_record(fd, saved)
+            assert_snapshot(model, opt, before)
+    opt.step()
+    step_ref(ref, ref_opt, grads(2, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+def test_offloaded_activations_are_checked_and_a_clean_run_matches_inductor(tmp_path, monkeypatch):
+    """Training with activations offloaded to NVMe files (checksummed) gives Inductor's losses and
+    parameters bit for bit; then an activation file damaged between the forward that wrote it and
+    the backward that reads it fails the backward with SwapCorruptionError naming the file."""
+    from mlp import build as build_mlp
+
+    from zinf_compile.errors import SwapCorruptionError
+    from zinf_compile.runtime.state import RUNTIME
+
+    def train(m, inputs, steps):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for _ in range(steps):
+            loss = m(*inputs).pow(2).mean()
+            loss.backward()
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+        return losses
+
+    ref, inputs = build_mlp()
+    model, _ = build_mlp()
+    ref_losses = train(torch.compile(ref), inputs, 2)
+    zinf_compile.reset()
+    cm = torch.compile(model, backend="zinf", options={"budget": "85%", "offload": "nvme",
+                                                         "offload_dir": str(tmp_path)})
+    assert train(cm, inputs, 2) == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    eng = next(e for e in RUNTIME.engines.values() if e.offload_dir == str(tmp_path))
+    assert eng.checksums and eng.stats["offloads"] > 0 and any(eng.swap.sums.values())
+    for how in RECORD_DAMAGE:
+        real = type(eng).prefetch
+
+        def damaging(h, device, how=how):
+            s = eng._stored_of(h)
+            _damage_record(s.fd, s.nbytes, how)
+            return real(eng, h, device)
+
+        monkeypatch.setattr(eng, "prefetch", damaging)
+        loss = cm(*inputs).pow(2).mean()
+        with pytest.raises(SwapCorruptionError) as info:
+            loss.backward()
+        msg = str(info.value)
+        assert "an offloaded activation, float32[512, 256]" in msg and str(tmp_path) in msg and "corrupt" in msg, msg
+        monkeypatch.undo()
+    model.zero_grad(set_to_none=True)
+    zinf_compile.reset()
+
+
+def test_the_checksums_option_turns_the_checks_off(tmp_path):
+    """options={"checksums": False}: nothing is summed or checked; a damaged shard then reads
+    through into the output (what the checks are there to stop). Anything else than a bool is
+    refused."""
+    from zinf_compile.config import ZinfConfig
+    from zinf_compile.errors import ZinfConfigError
+
+    assert ZinfConfig.from_options({}).checksums and not ZinfConfig.from_options({"checksums": False}).checksums
+    with pytest.raises(ZinfConfigError, match="checksums: expected True or False"):
+        ZinfConfig.from_options({"checksums": "off"})
+    model = build()
+    cm = torch.compile(model, backend="zinf", options={"params": "offload", "offload": "nvme", "checksums": False,
+                                                         "offload_dir": str(tmp_path)})
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = cm(x)
+        e = STORE.entry(model[2].weight)
+        assert not e.engine.checksums and not any(e.engine.swap.sums.values())
+        saved = _damage_record(e.fd, e.shard_nbytes, "flipped")
+        assert not torch.equal(cm(x), out)
+        _restore_record(e.fd, saved)
+        assert torch.equal(cm(x), out)
+    zinf_compile.reset()

@@ -97,6 +97,7 @@ class Session:
         # with a share of the peak (budget="80%"), the pipeline sets the budget per graph
         key = int(cfg.key(), 16) & ((1 << 62) - 1)
         engine = register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
+        engine.checksums = cfg.checksums  # the key covers it: this engine's files all have sums or none
         if tier == "nvme":
             engine.choose_direct(direct_io(cfg.o_direct, *_file_facts(device, cfg.budget, params)))
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:

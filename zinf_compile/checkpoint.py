@@ -501,9 +501,11 @@ def _crc_of(file: str, chunk: int = 8 << 20) -> tuple[int, int]:
             n += got
 
 
-def _load(file: str) -> dict:
+def _load(file: str, mmap: bool = True) -> dict:
+    """A checkpoint file's payload. mmap: its tensors over a mapping of the file (read when
+    used: a read error there is a SIGBUS); otherwise read now, a read error an error naming it."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise ZinfError(f"zinf: checkpoint file {file!r} is missing (was the checkpoint copied whole?)") from None
     except Exception as err:
@@ -583,7 +585,10 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
     before or after the first forward). Not collective, but every rank needs every rank's files
     for parameters it does not manage. Every file this rank reads is checked (size, checksum,
     contents against the manifest) before the model or optimizer is touched: a damaged checkpoint
-    leaves both as they were, and the error names the file. The optimizer's states are loaded at
+    leaves both as they were, and the error names the file. Then everything to apply is read
+    (read() calls, not mappings: a read error is an exception naming the file) and kept (in
+    memory; a managed parameter's in the NVMe tier in swap files) before the first change, so a
+    read error midway changes nothing either. The optimizer's states are loaded at
     its next step when nothing is managed yet (straight to where the parameters then live); its
     hyperparameters now."""
     _check_optimizer(optimizer)
@@ -621,36 +626,105 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
     if optimizer is not None and optimizer._any_managed():
         optimizer._sync()
         _reserve_states(optimizer, own, recs, manifest, reader, path)
-    # -- checked: from here on the model and optimizer change
-    for k, t in own.items():
-        r = recs[k]
-        if "alias_of" in r:
-            continue
-        e = _entry(t)
-        if e is not None:
-            e.write_shard(reader.shard(r, e))
-        else:
-            with torch.no_grad():
-                t.copy_(reader.whole(r))
+    # -- checked. Everything the load applies is read now, before anything changes: a read error
+    # (EIO) on a file that passed its check fails here, naming the file, with nothing changed
+    reader.mmap = False  # read() calls: an error is an exception, where a mapping's is a SIGBUS
+    staged = _Staged()
+    try:
+        values = []
+        for k, t in own.items():
+            r = recs[k]
+            if "alias_of" in r:
+                continue
+            e = _entry(t)
+            values.append((t, e, staged.keep(reader.shard(r, e) if e is not None else reader.whole(r), e, "shard")))
+        states = []
+        if optimizer is not None:
+            params = [(own[n], recs[n]) for n in dict.fromkeys(n for g in meta["param_groups"] for n in g["params"])]
+            for p, r in params:
+                e = _entry(p)
+                got = reader.optim(r, e)
+                if got is not None:
+                    form, st = got
+                    got = form, {key: staged.keep(v, e, f"optimizer state {key!r}") if _per_elem(key, v) else v
+                                 for key, v in st.items()}
+                states.append((p, got))
+        # -- read: from here on the model and optimizer change
+        for t, e, value in values:
+            if e is not None:
+                e.write_shard(staged.get(value))
+            else:
+                with torch.no_grad():
+                    t.copy_(staged.get(value))
+    except BaseException:
+        staged.release()
+        raise
     if optimizer is None:
+        staged.release()
         return
     for g, saved in zip(optimizer.param_groups, meta["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
 
-    params = [(own[n], recs[n]) for n in dict.fromkeys(n for g in meta["param_groups"] for n in g["params"])]
-
     def load_states():
-        optimizer._clear_state()
-        for p, r in params:
-            got = reader.optim(r, _entry(p))
-            if got is not None:
-                optimizer._import_param_state(p, *got)
+        try:
+            optimizer._clear_state()
+            for p, got in states:
+                if got is not None:
+                    form, st = got
+                    optimizer._import_param_state(p, form, {k: staged.get(v) for k, v in st.items()})
+        finally:
+            staged.release()
 
     if optimizer._any_managed():
         optimizer._sync()
         load_states()
     else:
         optimizer._defer(load_states)
+
+
+class _Staged:
+    """What a load applies, read from the checkpoint before anything changes. In memory, except a
+    managed parameter's in the NVMe tier (its shard, its optimizer states): those go to swap files
+    of its engine (checksummed like any record), so staging needs one tensor's memory at a time,
+    not the model's. `release` hands the files back."""
+
+    def __init__(self) -> None:
+        self._files: list[tuple] = []  # (engine, file number, fd)
+
+    def keep(self, t: torch.Tensor, e: Entry | None, what: str):
+        if e is None or e.tier != "nvme":
+            return t
+        swap = e.engine.swap
+        n, fd = swap.acquire(f"{what} of parameter {e.name!r}, being loaded from a checkpoint")
+        self._files.append((e.engine, n, fd))
+        e.engine.write_file(fd, t.detach().reshape(-1).contiguous())
+        return _InFile(e.engine, fd, tuple(t.shape), t.dtype)
+
+    @staticmethod
+    def get(v):
+        if not isinstance(v, _InFile):
+            return v
+        out = torch.empty(v.shape, dtype=v.dtype)
+        v.engine.read_file(v.fd, out.view(-1))
+        return out
+
+    def release(self) -> None:
+        """Hand the staging files back, emptied (a free swap file keeps its size until reused)."""
+        files, self._files = self._files, []
+        for engine, n, fd in files:
+            if engine._swap is not None:
+                try:
+                    os.ftruncate(fd, 0)
+                except OSError:
+                    pass
+                engine._swap.release(n)
+
+
+class _InFile:
+    """A staged tensor in a swap file."""
+
+    def __init__(self, engine, fd: int, shape: tuple, dtype: torch.dtype) -> None:
+        self.engine, self.fd, self.shape, self.dtype = engine, fd, shape, dtype
 
 
 def _reserve_states(optimizer, own: dict, recs: dict, manifest: dict, reader: "_Reader", path: str) -> None:
@@ -704,6 +778,7 @@ class _Reader:
 
     def __init__(self, root: str, rank: int, size: int) -> None:
         self.root, self.rank, self.size = root, rank, size
+        self.mmap = True  # tensors over mappings of the files (see _load)
 
     def _rel(self, r: dict, rank: int) -> str:
         return os.path.join(os.path.basename(_rank_dir(self.root, rank)), r["file"])
@@ -717,7 +792,7 @@ class _Reader:
         return [self._rel(r, k) for k in range(self.size)]
 
     def _file(self, r: dict, rank: int) -> dict:
-        return _load(os.path.join(self.root, self._rel(r, rank)))
+        return _load(os.path.join(self.root, self._rel(r, rank)), self.mmap)
 
     def _own(self, r: dict) -> dict:
         return self._file(r, self.rank if r["managed"] else 0)

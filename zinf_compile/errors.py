@@ -15,6 +15,12 @@ class ZinfError(Exception):
     """Base class for every error zinf raises on purpose."""
 
 
+class SwapCorruptionError(ZinfError):
+    """A swap record (a parameter's shard, its gradient, an optimizer state, an offloaded
+    activation) read back other than zinf wrote it: its checksum does not match. The message names
+    the file and what it holds; the data are lost (a damaged disk, or something else wrote the file)."""
+
+
 class _Unwrapped(ShortenTraceback):
     """Reaches the caller of a compiled function as it is, not as BackendCompilerFailed."""
 

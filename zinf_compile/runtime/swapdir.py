@@ -80,6 +80,10 @@ class SwapDir:
         self._free: list[int] = []
         self._fds: dict[int, int] = {}
         self._labels: dict[int, str] = {}  # fd -> what its file holds now, for error messages
+        # fd -> its blocks' checksums (engine.py: block number -> (bytes, crc32)), reset when the
+        # file is handed to a new record; and a lock per file for the writes that merge into a block
+        self.sums: dict[int, dict[int, tuple[int, int]]] = {}
+        self.sum_locks: dict[int, threading.Lock] = {}
         self.o_direct = o_direct
         try:
             missing = []
@@ -141,6 +145,7 @@ class SwapDir:
             if self._free:
                 n = self._free.pop()
                 self._labels[self._fds[n]] = label
+                self.sums[self._fds[n]] = {}
                 return n, self._fds[n]
             n = len(self._fds)
             flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if self.o_direct else 0)
@@ -150,6 +155,8 @@ class SwapDir:
                 raise ZinfError(f"cannot create a swap file in {self.path!r}: {e.strerror}") from None
             self._fds[n] = fd
             self._labels[fd] = label
+            self.sums[fd] = {}
+            self.sum_locks[fd] = threading.Lock()
             return n, fd
 
     def release(self, n: int) -> None:
