@@ -16,6 +16,7 @@ BENCHMARKS = {
     "training": "bench.training",
     "tokens": "bench.tokens",
     "soak": "bench.soak",
+    "scale": "bench.scale",
 }
 
 
