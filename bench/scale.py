@@ -37,8 +37,10 @@ train   After the inference files are deleted: a Llama (hidden 5120, MLP 13824, 
         the record says so with these numbers and the run takes the largest that fits. A thread
         watches the free space and stops the run (SIGTERM: the swap folder goes) below the reserve.
 
-Writes <out>/scale.json. Every file it writes goes at the end, also on failure (`--keep` keeps the
-checkpoint). Progress goes to stdout; run it in the background with its output in a file.
+Writes <out>/scale.json (a part run alone keeps the other part's last record). Every file it writes
+goes at the end, also on failure; `--keep` keeps the checkpoint and `--reuse` runs on a kept one
+(writing 38 GB takes ~10 minutes here). Progress goes to stdout: run it in the background with its
+output in a file.
 """
 from __future__ import annotations
 
@@ -336,6 +338,18 @@ def recipe_worker(args) -> dict:
                 zinf_vs_from_pretrained=float((got - want).abs().max()), absmax=float(want.abs().max()))
 
 
+def du(path: str) -> int:
+    """Bytes allocated on disk under `path` (st_blocks: sparse files count what they hold)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
 def _disk_watch(path: str, reserve: int, seen: dict) -> None:
     """Every second: the least free space seen; below `reserve`, SIGTERM this process (the swap
     folder goes at its exit)."""
@@ -392,12 +406,15 @@ def train_worker(args) -> dict:
         out["step_s"].append(time.perf_counter() - t0)
         out["losses"].append(float(loss.detach()))
         out["moved"].append({k: v - before[k] for k, v in _harness.engine_bytes().items()})
+        out.setdefault("swap_bytes_after_step", []).append(du(args.offload_dir))
         log(f"worker: step {step + 1}: loss {out['losses'][-1]:.4f}, {out['step_s'][-1]:.1f} s, free disk "
-            f"{disk_free(args.offload_dir) / GB:.1f} GB (least {seen.get('min_free', 0) / GB:.1f})")
+            f"{disk_free(args.offload_dir) / GB:.1f} GB (least {seen.get('min_free', 0) / GB:.1f}), zinf's "
+            f"files {out['swap_bytes_after_step'][-1] / GB:.1f} GB")
     out["peak_rss"] = _rss.hwm()
     out["peak_over_overhead"] = out["peak_rss"] - overhead
     out["min_free_disk"] = seen.get("min_free")
-    out["disk_used_peak"] = out["free_disk_before"] - out["min_free_disk"] if out["min_free_disk"] else None
+    # the drop in free space over the run (other users of the disk included)
+    out["free_disk_drop"] = out["free_disk_before"] - out["min_free_disk"] if out["min_free_disk"] else None
     out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
                          lower_bound=p.lower_bound, tiles=len(p.tiles)) for p in zinf_compile.last_plans()]
     return out
@@ -433,7 +450,9 @@ def part_infer(args, mem: int) -> dict:
     layers = layers_for(math.ceil(target / 4), shape)
     cfg = llama_config(layers, **shape)
     weights = 4 * n_params(layers, shape)
-    need = weights + args.reserve
+    big = os.path.join(args.dir, "ckpt")
+    reusable = args.reuse and os.path.exists(os.path.join(big, WRITTEN)) and tf_config_matches(big, cfg)
+    need = (0 if reusable else weights) + args.reserve
     free = disk_free(args.dir)
     log(f"infer: {layers} layers, {weights / GB:.1f} GB of fp32 weights = {weights / mem:.2f}x RAM "
         f"({mem / GB:.1f} GB); free disk {free / GB:.1f} GB")
@@ -444,15 +463,13 @@ def part_infer(args, mem: int) -> dict:
         log("infer: " + rec["error"])
         return rec
     small = os.path.join(args.dir, "small")
-    big = os.path.join(args.dir, "ckpt")
     try:
         log("infer: the recipe at a small size (from_pretrained against the streamed reference and zinf)")
         write_checkpoint(small, llama_config(**SMALL), seed=args.seed, shard_bytes=2 * MiB)
         rec["recipe_check"] = _spawn("recipe", args, ["--ckpt", small], os.path.join(args.dir, "swap-recipe"))
         rec["recipe_check"]["config"] = SMALL
         log(f"infer: recipe check {rec['recipe_check']}")
-        if args.reuse and os.path.exists(os.path.join(big, WRITTEN)) and \
-                tf_config_matches(big, cfg):
+        if reusable:
             with open(os.path.join(big, WRITTEN)) as f:
                 rec["write"] = dict(json.load(f), reused=True)
             log(f"infer: reusing the checkpoint in {big} ({rec['write']})")
@@ -579,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--forwards", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reserve", type=float, default=12 * GB, help="free disk never to go below (bytes)")
