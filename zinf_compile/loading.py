@@ -67,10 +67,14 @@ def _header(path: str) -> dict[str, StoredTensor]:
     """The tensors of one safetensors file, from its header (8 bytes of length, then JSON)."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) != 8:
                 raise ZinfError(f"zinf: {path} is not a safetensors file (shorter than its header)")
             n = int.from_bytes(raw, "little")
+            if 8 + n > size:
+                raise ZinfError(f"zinf: {path} is not a safetensors file, or is truncated: its header says "
+                                f"{n} bytes of header, the file has {size} bytes")
             head = json.loads(f.read(n))
     except FileNotFoundError:
         raise ZinfError(f"zinf: checkpoint file {path} does not exist") from None
@@ -82,8 +86,16 @@ def _header(path: str) -> dict[str, StoredTensor]:
             continue
         if info["dtype"] not in _DTYPES:
             raise ZinfError(f"zinf: {path}: tensor {key!r} has dtype {info['dtype']}, which zinf cannot read")
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
         lo, hi = info["data_offsets"]
-        out[key] = StoredTensor(path, _DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + lo, hi - lo)
+        # checked here, before anything is written: a short file (a copy or a write cut off) would
+        # otherwise fail half-way through a load, or, read in place, at the first forward
+        if hi - lo != math.prod(shape) * dtype.itemsize or lo < 0:
+            raise ZinfError(f"zinf: {path}: tensor {key!r} spans bytes {lo}..{hi}, but {info['dtype']} {list(shape)} "
+                            f"takes {math.prod(shape) * dtype.itemsize} (a damaged header)")
+        if 8 + n + hi > size:
+            raise ZinfError(f"zinf: {path} is truncated: it has {size} bytes, tensor {key!r} ends at byte {8 + n + hi}")
+        out[key] = StoredTensor(path, dtype, shape, 8 + n + lo, hi - lo)
     return out
 
 
