@@ -26,6 +26,7 @@ for that call and written back after it (docs/decisions.md, "Meta-device models"
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import math
@@ -416,6 +417,28 @@ def _is_hf(m: nn.Module) -> bool:
     return tf is not None and isinstance(m, tf.PreTrainedModel)
 
 
+def _read_into(e, t: torch.Tensor) -> bool:
+    """Entry e's shard read straight into parameter t's storage, where the shard is the whole
+    parameter in t's dtype in a file (one rank, NVMe tier, a CPU device): a module initialised
+    twice (nn.Embedding's reset_parameters, then HF's _init_weights) then holds it once in memory,
+    not twice (a fresh copy, then t). False elsewhere (the caller copies from STORE.full)."""
+    if (e.world != 1 or e.tier != "nvme" or e.engine.direct or t.device.type != "cpu" or e.shard_dtype != t.dtype
+            or not t.is_contiguous()):
+        return False  # O_DIRECT files need page-aligned buffers
+    nbytes = t.numel() * t.element_size()
+    e.engine.check_size(e.fd, e.base, nbytes)
+    # through a ctypes view of t's bytes, not the engine's numpy view: exporting a storage to numpy
+    # makes it non-resizable, and checkin frees it (resize_(0))
+    view, got = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B"), 0
+    while got < nbytes:
+        n = os.preadv(e.fd, [view[got:]], e.base + got)
+        if n <= 0:
+            raise ZinfError(f"zinf: the shard file of {e.name!r} ended before byte {e.base + nbytes}")
+        got += n
+    e.engine.stats["bytes_read"] += nbytes
+    return True
+
+
 class _Initializer:
     """Replays a model's initialisation on parameters that live in shards (see the module's doc)."""
 
@@ -469,11 +492,10 @@ class _Initializer:
         unmark(t)
         e = STORE.entry(t)
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            value = STORE.full(e) if e is not None else None
             t.untyped_storage().resize_(t.numel() * t.element_size())
-            if value is not None:
-                t.copy_(value)
-            elif t.is_floating_point():
+            if e is not None and not _read_into(e, t):
+                t.copy_(STORE.full(e))
+            elif e is None and t.is_floating_point():
                 t.fill_(math.nan)
         self.checked.append(t)
 
