@@ -396,6 +396,8 @@ def train_worker(args) -> dict:
     out["materialize_s"] = time.perf_counter() - t0
     out["materialize_peak_over_overhead"] = _rss.hwm() - overhead
     log(f"worker: materialized in {out['materialize_s']:.1f} s, VmHWM +{out['materialize_peak_over_overhead'] / MiB:.0f} MiB")
+    _rss.trim()
+    _rss.reset_hwm()  # from here: the steps' own peak (the compiles included)
     compiled = torch.compile(model.train(), backend="zinf", options=opts)
     opt = zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9)
     ids = _ids(cfg.vocab_size, args.seq, args.seed)
@@ -414,8 +416,8 @@ def train_worker(args) -> dict:
         log(f"worker: step {step + 1}: loss {out['losses'][-1]:.4f}, {out['step_s'][-1]:.1f} s, free disk "
             f"{disk_free(args.offload_dir) / GB:.1f} GB (least {seen.get('min_free', 0) / GB:.1f}), zinf's "
             f"files {out['swap_bytes_after_step'][-1] / GB:.1f} GB")
-    out["peak_rss"] = _rss.hwm()
-    out["peak_over_overhead"] = out["peak_rss"] - overhead
+    out["steps_peak_over_overhead"] = _rss.hwm() - overhead
+    out["peak_over_overhead"] = max(out["steps_peak_over_overhead"], out["materialize_peak_over_overhead"])
     out["min_free_disk"] = seen.get("min_free")
     # the drop in free space over the run (other users of the disk included)
     out["free_disk_drop"] = out["free_disk_before"] - out["min_free_disk"] if out["min_free_disk"] else None
