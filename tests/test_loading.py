@@ -283,8 +283,7 @@ def test_materialize_equals_eager_init(name, how, tied, offload_root):
 def test_materialize_reads_a_reinitialised_shard_in_place(offload_root, monkeypatch):
     """A parameter initialised twice (the embedding: nn.Embedding's reset_parameters, then Llama's
     _init_weights) is read back from its NVMe shard straight into its own storage, never into a
-    second full-size buffer (which doubled materialize's peak: +1.25 GiB for a 655 MB embedding),
-    and the values still equal eager construction's."""
+    second full-size buffer, and the values still equal eager construction's."""
     import transformers as tf
 
     from zinf_compile.runtime.params import Entry
