@@ -20,8 +20,8 @@ infer   A Llama-shaped checkpoint (LlamaForCausalLM's state dict: hidden 8192, M
         larger than RAM, so most of each forward still comes from the disk), `--forwards` with the
         page cache dropped before each (cold). It reads VmHWM (peak RSS) over the load, over the
         first forward (the compile's memory included) and over the later forwards, and the disk's
-        direct read bandwidth (`dd if=<a shard> iflag=direct bs=16M`). Logits are checked finite and against a reference: the same model run eagerly one decoder layer at a
-        time, each layer's weights read with safetensors' own reader before it runs and dropped
+        direct read bandwidth (`dd if=<a shard> iflag=direct bs=16M`). Logits are checked finite
+        and against a reference: the same model run eagerly one decoder layer at a time, each layer's weights read with safetensors' own reader before it runs and dropped
         after (its memory is one layer, not the model). The recipe itself is checked at a small
         size: a checkpoint written the same way, loaded by transformers' from_pretrained, against
         the streamed reference and zinf.
