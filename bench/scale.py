@@ -21,8 +21,9 @@ infer   A Llama-shaped checkpoint (LlamaForCausalLM's state dict: hidden 8192, M
         page cache dropped before each (cold). It reads VmHWM (peak RSS) over the load, over the
         first forward (the compile's memory included) and over the later forwards, and the disk's
         direct read bandwidth (`dd if=<a shard> iflag=direct bs=16M`). Logits are checked finite
-        and against a reference: the same model run eagerly one decoder layer at a time, each layer's weights read with safetensors' own reader before it runs and dropped
-        after (its memory is one layer, not the model). The recipe itself is checked at a small
+        and against a reference: the same model run eagerly one decoder layer at a time, each
+        layer's weights read with safetensors' own reader before it runs and dropped after (its
+        memory is one layer, not the model). The recipe itself is checked at a small
         size: a checkpoint written the same way, loaded by transformers' from_pretrained, against
         the streamed reference and zinf.
 train   After the inference files are deleted: a Llama (hidden 5120, MLP 13824, 40 heads, vocab
