@@ -17,6 +17,7 @@ BENCHMARKS = {
     "tokens": "bench.tokens",
     "soak": "bench.soak",
     "integrity": "bench.integrity",
+    "scale": "bench.scale",
 }
 
 

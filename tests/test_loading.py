@@ -183,6 +183,40 @@ def test_missing_file_names_it(sharded, tmp_path, offload_root):
         zinf_compile.load_pretrained(model, tmp_path / "empty")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_truncated_file_names_it_before_anything_is_written(sharded, tmp_path, offload_root, in_place):
+    """A shard cut short (a copy or a write that stopped): the header still lists every tensor, so
+    only the file's size tells. The load names the file and the tensor past its end, and leaves the
+    model on meta (read in place, it would otherwise fail at the first forward)."""
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+    with open(copy / "model.safetensors.index.json") as f:
+        cut = sorted(set(json.load(f)["weight_map"].values()))[-1]
+    size = os.path.getsize(copy / cut)
+    os.truncate(copy / cut, size - 4)
+    model = _meta_llama(_llama_config())
+    with pytest.raises(ZinfError, match=rf"{cut} is truncated: it has {size - 4} bytes, tensor '.*' ends at byte {size}"):
+        zinf_compile.load_pretrained(model, copy, options=_opts(offload_root, "err"), in_place=in_place)
+    _untouched(model)
+
+
+def test_damaged_header_names_the_tensor(tmp_path, offload_root):
+    """A header whose byte range disagrees with the tensor's shape and dtype is refused, naming it."""
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4, 4)}, str(tmp_path / "x.safetensors"))
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = raw[8:8 + n].replace(b"[4,4]", b"[4,5]")
+    (tmp_path / "x.safetensors").write_bytes(raw[:8] + head + raw[8 + n:])
+    from zinf_compile.loading import Checkpoint
+
+    with pytest.raises(ZinfError, match=r"tensor 'a' spans bytes 0\.\.64, but F32 \[4, 5\] takes 80"):
+        Checkpoint(tmp_path / "x.safetensors")
+
+
 # -- peak memory of a load ---------------------------------------------------------------------------
 
 def _has_hwm() -> bool:
@@ -244,6 +278,26 @@ def test_materialize_equals_eager_init(name, how, tied, offload_root):
     assert after_materialize == torch.rand(())  # as many random numbers drawn as eager construction draws
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_materialize_reads_a_reinitialised_shard_in_place(offload_root, monkeypatch):
+    """A parameter initialised twice (the embedding: nn.Embedding's reset_parameters, then Llama's
+    _init_weights) is read back from its NVMe shard straight into its own storage, never into a
+    second full-size buffer, and the values still equal eager construction's."""
+    import transformers as tf
+
+    from zinf_compile.runtime.params import Entry
+
+    fresh = []
+    real = Entry.read_shard
+    monkeypatch.setattr(Entry, "read_shard", lambda self, *a, **k: fresh.append(self.name) or real(self, *a, **k))
+    eager, model = _eager_and_meta(tf.LlamaForCausalLM, _llama_config(), 7)
+    zinf_compile.materialize(model, options=_opts(offload_root, "reread"))
+    assert fresh == []
+    assert STORE.is_managed(model.model.embed_tokens.weight)
+    with torch.no_grad():
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            assert torch.equal(a.detach().clone(), b), name
 
 
 def test_materialize_refuses_a_parameter_nothing_initialises(offload_root):

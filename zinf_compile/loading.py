@@ -26,6 +26,7 @@ for that call and written back after it (docs/decisions.md, "Meta-device models"
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import math
@@ -67,10 +68,14 @@ def _header(path: str) -> dict[str, StoredTensor]:
     """The tensors of one safetensors file, from its header (8 bytes of length, then JSON)."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) != 8:
                 raise ZinfError(f"zinf: {path} is not a safetensors file (shorter than its header)")
             n = int.from_bytes(raw, "little")
+            if 8 + n > size:
+                raise ZinfError(f"zinf: {path} is not a safetensors file, or is truncated: its header says "
+                                f"{n} bytes of header, the file has {size} bytes")
             head = json.loads(f.read(n))
     except FileNotFoundError:
         raise ZinfError(f"zinf: checkpoint file {path} does not exist") from None
@@ -82,8 +87,16 @@ def _header(path: str) -> dict[str, StoredTensor]:
             continue
         if info["dtype"] not in _DTYPES:
             raise ZinfError(f"zinf: {path}: tensor {key!r} has dtype {info['dtype']}, which zinf cannot read")
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
         lo, hi = info["data_offsets"]
-        out[key] = StoredTensor(path, _DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + lo, hi - lo)
+        # checked here, before anything is written: a short file (a copy or a write cut off) would
+        # otherwise fail half-way through a load, or, read in place, at the first forward
+        if hi - lo != math.prod(shape) * dtype.itemsize or lo < 0:
+            raise ZinfError(f"zinf: {path}: tensor {key!r} spans bytes {lo}..{hi}, but {info['dtype']} {list(shape)} "
+                            f"takes {math.prod(shape) * dtype.itemsize} (a damaged header)")
+        if 8 + n + hi > size:
+            raise ZinfError(f"zinf: {path} is truncated: it has {size} bytes, tensor {key!r} ends at byte {8 + n + hi}")
+        out[key] = StoredTensor(path, dtype, shape, 8 + n + lo, hi - lo)
     return out
 
 
@@ -404,6 +417,31 @@ def _is_hf(m: nn.Module) -> bool:
     return tf is not None and isinstance(m, tf.PreTrainedModel)
 
 
+def _read_into(e, t: torch.Tensor) -> bool:
+    """Entry e's shard read straight into parameter t's storage, where the shard is the whole
+    parameter in t's dtype in a file (one rank, NVMe tier, a CPU device): a module initialised
+    twice (nn.Embedding's reset_parameters, then HF's _init_weights) reads it back without a
+    second full-size buffer (a fresh copy, then t). False elsewhere (the caller copies from
+    STORE.full). The write back still copies it once (Entry.slice_of: the engine writes through a
+    numpy view, which would make t's storage unresizable), so materialize's peak stays about twice
+    the largest parameter (measured: +1255 MiB for a 655 MB embedding, with and without this)."""
+    if (e.world != 1 or e.tier != "nvme" or e.engine.direct or t.device.type != "cpu" or e.shard_dtype != t.dtype
+            or not t.is_contiguous()):
+        return False  # O_DIRECT files need page-aligned buffers
+    nbytes = t.numel() * t.element_size()
+    e.engine.check_size(e.fd, e.base, nbytes)
+    # through a ctypes view of t's bytes, not the engine's numpy view: exporting a storage to numpy
+    # makes it non-resizable, and checkin frees it (resize_(0))
+    view, got = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B"), 0
+    while got < nbytes:
+        n = os.preadv(e.fd, [view[got:]], e.base + got)
+        if n <= 0:
+            raise ZinfError(f"zinf: the shard file of {e.name!r} ended before byte {e.base + nbytes}")
+        got += n
+    e.engine.stats["bytes_read"] += nbytes
+    return True
+
+
 class _Initializer:
     """Replays a model's initialisation on parameters that live in shards (see the module's doc)."""
 
@@ -457,11 +495,10 @@ class _Initializer:
         unmark(t)
         e = STORE.entry(t)
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            value = STORE.full(e) if e is not None else None
             t.untyped_storage().resize_(t.numel() * t.element_size())
-            if value is not None:
-                t.copy_(value)
-            elif t.is_floating_point():
+            if e is not None and not _read_into(e, t):
+                t.copy_(STORE.full(e))
+            elif e is None and t.is_floating_point():
                 t.fill_(math.nan)
         self.checked.append(t)
 
