@@ -200,7 +200,7 @@ def _compiled(s: Session, req, run):
         done = run()
     except BudgetError as e:
         _close_if_idle(s)
-        pinned = [info for info in s.params if not info.manageable and info.nbytes >= PERSIST_BYTES]
+        pinned = [info for info in s.params if not info.manageable and not info.managed and info.nbytes >= PERSIST_BYTES]
         if not pinned:
             raise
         raise BudgetError(e.budget, e.lower_bound, e.best_peak, detail=(
