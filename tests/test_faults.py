@@ -155,6 +155,17 @@ def nvme_model(offload_dir: str):
     return ref, model, opt, torch.optim.AdamW(ref.parameters(), **HP)
 
 
+def stepped_once(offload_dir: str):
+    """`nvme_model` after one step (the reference too), with step 2's gradients given."""
+    ref, model, opt, ref_opt = nvme_model(offload_dir)
+    give(model, grads(1, model))
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    give(model, grads(2, model))
+    return ref, model, opt, ref_opt
+
+
 def whole(p: torch.Tensor) -> torch.Tensor:
     e = STORE.entry(p)
     return p.detach().clone() if e is None else STORE.full(e).clone()
@@ -311,12 +322,7 @@ def test_ctrl_c_in_the_middle_of_the_nvme_step_is_itself_and_the_retry_continues
     gives torch's AdamW result bit for bit."""
     import zinf_compile.optim as zoptim
 
-    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
-    give(model, grads(1, model))
-    opt.step()
-    opt.zero_grad()
-    step_ref(ref, ref_opt, grads(1, ref))
-    give(model, grads(2, model))
+    ref, model, opt, ref_opt = stepped_once(str(tmp_path / "swap"))
     before = snapshot(model, opt)
     chunks = sum(STORE.entry(m.weight).shard_numel // CHUNK for m in (model[0], model[2]))
     assert chunks == 16
@@ -744,12 +750,7 @@ def test_a_damaged_gradient_state_or_shard_fails_the_step_and_applies_nothing(tm
     applied. Restored, step 2 gives torch's AdamW result bit for bit."""
     from zinf_compile.errors import SwapCorruptionError
 
-    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
-    give(model, grads(1, model))
-    opt.step()
-    opt.zero_grad()
-    step_ref(ref, ref_opt, grads(1, ref))
-    give(model, grads(2, model))
+    ref, model, opt, ref_opt = stepped_once(str(tmp_path / "swap"))
     before = snapshot(model, opt)
     e = STORE.entry(model[0].weight)
     records = {"gradient": e.grad_fd, "optimizer state 'exp_avg'": e.state_fds["exp_avg"],
