@@ -124,7 +124,7 @@ _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparame
 
 
 def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-              **kwargs) -> "ZinfOptimizer":
+              overlap: bool = True, **kwargs) -> "ZinfOptimizer":
     """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
     iterable of parameters / param-group dicts), stepping managed parameters where they live.
 
@@ -133,9 +133,11 @@ def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backw
     under (the step runs between training steps, when the graphs' memory is free), and at most
     DEFAULT_CHUNK_ELEMS. `step_in_backward`: step each NVMe-tier parameter in the backward, as soon
     as its gradient is whole, instead of writing the gradient to its file and reading it back at
-    step() (see "Stepping in backward" in the module's docstring); the other keyword arguments go
-    to `cls`."""
-    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, **kwargs)
+    step() (see "Stepping in backward" in the module's docstring); `overlap` (with it): those steps
+    run on the optimizer's own thread while the backward continues (False: inside the reduce, the
+    backward waiting); the other keyword arguments go to `cls`."""
+    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, overlap=overlap,
+                         **kwargs)
 
 
 def _supported_nvme() -> tuple[type, ...]:
@@ -213,7 +215,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
     """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
 
     def __init__(self, model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-                 **kwargs) -> None:
+                 overlap: bool = True, **kwargs) -> None:
         # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
         # optimizer's. The hook tables are there for the methods inherited from the base class.
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -241,6 +243,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if self.step_in_backward:
             _check_in_backward_class(cls, kwargs)
         self._bw = _BackwardSteps()
+        self.overlap = bool(overlap)  # steps in backward on the queue's worker thread (else in the reduce)
+        self._queue = _StepQueue()
         # what the last step() committed: NVMe-tier parameters stepped in backward / in step()
         self.last_step_counts = {"in_backward": 0, "in_step": 0}
         RUNTIME.optimizers.add(self)  # zinf_compile.reset() brings its states home before the files go
@@ -296,6 +300,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            self._settle()  # the steps queued in backward: done (normally already, at the backward's end)
             self._check_backward_steps()
             self._push_hyper()
             # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
@@ -349,6 +354,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             else:
                 entries.append(e)
         entries += [e for _, _, e in lay.nvme]
+        self._queue.drain()  # no step queued in backward still running while its gradient goes
         STORE.zero_grad(entries)
 
     def state_dict(self) -> dict[str, Any]:
@@ -468,6 +474,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
         self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
         self._spare = {i: r for i, r in self._spare.items() if i in keep}
+        self._queue.drain()  # a failure stays recorded: step() raises it
         for i in [i for i in self._bw.work if i not in keep]:  # a parameter released since its step in backward
             del self._bw.work[i]
         # counts of reduces: only for entries still held (a new entry may reuse a dead one's id)
@@ -815,6 +822,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         makes its gradient whole, as counted in an earlier step; False to let the gradient go to
         its tier as usual. Runs inside the backward (the graph's reduce, or an eager read's)."""
         bw = self._bw
+        if self._queue.error is not None:
+            self._settle()  # a step queued earlier in this backward failed: abandon it here
         if id(e) in bw.work:
             self._abandon_backward()
             bw.expect.clear()
@@ -842,24 +851,21 @@ class ZinfOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._abandon_backward()
             raise
-        if rows is not None or e.has_grad:
-            e.accumulate_grad(part, rows)  # earlier parts are in the file: the step reads the sum there
+        chunk = self._chunk(in_backward=True)
+        if self.overlap:
+            self._queue_step(w, part, rows, chunk)
         else:
-            w.grad = part  # the whole gradient, in memory: it never reaches the file
-        try:
-            self._nvme_step([w], self._chunk(in_backward=True))
-        except BaseException as err:
-            self._abandon_backward()
-            if not isinstance(err, Exception):
-                raise
-            raise ZinfError(
-                f"zinf: stepping {e.name!r} in backward failed ({err.__cause__ or err}); this step is abandoned: "
-                f"every parameter and optimizer state is as the previous step left them, and this step's "
-                f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step "
-                f"again") from err
-        w.grad = None  # may be the graph's buffer: not kept past this call
-        e.drop_grad()
-        bw.work[id(e)] = w
+            if rows is not None or e.has_grad:
+                e.accumulate_grad(part, rows)  # earlier parts are in the file: the step reads the sum there
+            else:
+                w.grad = part  # the whole gradient, in memory: it never reaches the file
+            try:
+                self._nvme_step([w], chunk)
+            except BaseException as err:
+                self._in_backward_failed(e, err)
+            w.grad = None  # may be the graph's buffer: not kept past this call
+            e.drop_grad()
+            bw.work[id(e)] = w
         bw.hyper.setdefault(gi, hyper)
         if task not in bw.open:  # the backward's end (only when it completes) closes it
             bw.open.add(task)
@@ -868,8 +874,64 @@ class ZinfOptimizer(torch.optim.Optimizer):
         _point("step-in-backward:stepped")
         return True
 
+    def _queue_step(self, w: "_Work", part: torch.Tensor, rows: tuple[int, int] | None, chunk: int) -> None:
+        """overlap=True: hand `w`'s step to the queue's worker, with a gradient of its own (`part`
+        may be the graph's buffer, which Inductor reuses once the reduce returns). Waits first for
+        room in the queue (its gradients within the chunk ring's size), so the copy is made within it."""
+        e, q = w.entry, self._queue
+        nbytes = e.shard_numel * e.shard_dtype.itemsize
+        q.admit(nbytes, _RING * 5 * 4 * chunk)
+        try:
+            if rows is not None or e.has_grad:
+                e.accumulate_grad(part, rows)  # earlier parts are in the file: the sum is read back here
+                e.complete_grad()
+                w.grad = torch.empty(e.shard_numel, dtype=e.shard_dtype)
+                e.read_grad_into(w.grad)
+            else:
+                w.grad = part.clone()
+            for name in ("param",) + w.names:  # the files are taken here: the worker touches no shared table
+                self._out_file(w, name)
+        except BaseException as err:
+            q.release(nbytes)
+            self._keep_spares([w])
+            self._in_backward_failed(e, err)
+        w.group = dict(w.group)  # the hyperparameters as they are now (step() checks they still are)
+        e.drop_grad()  # the step holds the gradient now (w.grad)
+        self._bw.work[id(e)] = w
+        q.submit(functools.partial(self._run_queued, w, chunk), nbytes)
+
+    def _in_backward_failed(self, e: Entry, err: BaseException) -> None:
+        """A step in backward failed: every step of this backward is dropped, and this raises."""
+        self._abandon_backward()
+        if not isinstance(err, Exception):
+            raise err  # Ctrl-C, SystemExit: themselves (nothing applied either)
+        raise ZinfError(
+            f"zinf: stepping {e.name!r} in backward failed ({err.__cause__ or err}); this step is abandoned: "
+            f"every parameter and optimizer state is as the previous step left them, and this step's "
+            f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step again") from err
+
+    def _run_queued(self, w: "_Work", chunk: int) -> None:
+        """A step in backward, on the queue's worker thread: reads, steps and writes to the spare
+        slots. A failure is kept for the backward's end (or the next take, or step()) to raise."""
+        try:
+            if self._queue.error is None:  # after a failure the backward's steps are all dropped
+                self._nvme_step([w], chunk)
+        except BaseException as err:
+            if self._queue.error is None:
+                self._queue.error = (w.entry, err)
+        finally:
+            w.grad = None
+
+    def _settle(self) -> None:
+        """Wait for the steps queued in backward; if one failed, abandon them all and raise."""
+        q = self._queue
+        q.drain()
+        if q.error is not None:
+            self._in_backward_failed(*q.error)
+
     def grad_cleared(self, e: Entry) -> None:
         """The store cleared `e`'s gradient (zero_grad): a step taken with it in backward goes too."""
+        self._queue.drain()  # a step queued with it is done (or failed: step() says so)
         w = self._bw.work.pop(id(e), None)
         if w is not None:
             self._keep_spares([w])
@@ -878,6 +940,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _abandon_backward(self) -> None:
         """Drop every step taken in backward and not committed (their files are spares again)."""
+        self._queue.drain()
+        self._queue.error = None
         self._keep_spares(list(self._bw.work.values()))
         self._bw.clear()
 
@@ -1008,11 +1072,62 @@ class _BackwardSteps:
         self.open.clear()
 
 
+class _StepQueue:
+    """The steps taken in backward with overlap=True, run in order on one worker thread while the
+    backward computes. The gradients they hold (copies) are bounded: a step whose gradient would
+    take them past `cap` bytes waits in the backward until earlier ones are done (one is always
+    admitted), so with the chunk ring their memory stays within the in-backward share."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._futures: list = []
+        self.held = 0  # bytes of gradients held by steps submitted and not done
+        self.peak = 0  # the most `held` was (tests, bench)
+        self.waits = 0  # submissions that waited for room
+        self.error: tuple | None = None  # (entry, exception) of the first step that failed
+
+    def admit(self, nbytes: int, cap: int) -> None:
+        """Room for a gradient of `nbytes`: waits while earlier steps hold too much."""
+        with self._cond:
+            if self.held and self.held + nbytes > cap:
+                self.waits += 1
+                self._cond.wait_for(lambda: not self.held or self.held + nbytes <= cap)
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+    def submit(self, fn: Callable[[], None], nbytes: int) -> None:
+        """Run `fn` on the worker; `nbytes` (admitted) are released when it is done."""
+        if self._pool is None:  # its torch ops use as many threads as the caller's (1 in a 1-thread run)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zinf-step-in-backward",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self.release(nbytes)
+
+        self._futures.append(self._pool.submit(run))
+
+    def drain(self) -> None:
+        """Wait for every step submitted (they do not raise: a failure is kept in `error`)."""
+        futs, self._futures = self._futures, []
+        for f in futs:
+            f.result()
+
+
 def _backward_done(ref: "weakref.ref[ZinfOptimizer]", task: int) -> None:
     """Autograd's final callback of a backward that stepped parameters: it completed."""
     opt = ref()
     if opt is not None:
         opt._bw.open.discard(task)
+        opt._settle()  # the steps it queued: done here, a failure raised from the backward
 
 
 def _same_hyper(a: dict, b: dict) -> bool:
