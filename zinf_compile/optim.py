@@ -68,9 +68,24 @@ parameters (whose gradients are in memory anyway) are stepped in step() as befor
   raises ZinfError in the backward and abandons the step: parameters and states as the previous
   step left them, this step's gradients lost (zero_grad() and run it again; the count is learned
   anew).
+  Overlap (`overlap=True`, the default): the reduce hands the step to the optimizer's own worker
+  thread (one, so steps run in the order their gradients were completed) and returns; the backward
+  computes on while the worker reads the parameter and states, steps and writes (its torch ops use
+  the caller's torch.get_num_threads(); its file I/O the optimizer's I/O threads). The step gets a
+  gradient of its own: a copy of the reduce's (which may alias a buffer the graph reuses once the
+  reduce returns), or, when earlier parts went to the file, the sum read back from it. The end of
+  the backward (autograd's final callback) waits for every queued step, so a failure on the worker
+  (a full disk) is raised from the backward (or already at the next reduce that would step), with
+  the same guarantees as above; step(), zero_grad() and state changes wait for them too.
+  `overlap=False` steps inside the reduce instead, the backward waiting (bench/training.py
+  compares the two).
   Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
   1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated for the step and
-  freed after it; it adds to the backward's memory, which the plan does not count.
+  freed after it; it adds to the backward's memory, which the plan does not count. With overlap,
+  the gradients held by queued steps are bounded by the ring's size too (a reduce waits in the
+  backward until earlier steps free room; a gradient larger than that waits until the queue is
+  empty and goes alone), so a backward holds at most twice the ring's size, or one ring and one
+  gradient larger than it.
   Numerics: bit-identical to the same optimizer without the option, hence to torch.optim on the
   whole parameters (the same arithmetic on the same values, chunk by chunk).
   Refused (ZinfError): clipping by global norm (`clip_grad_norm_`, `total_norm` of these
