@@ -9,7 +9,8 @@ Parameters + gradients + AdamW states (4 x 118M parameters x 4 bytes = 1.76 GiB)
 448 MiB budget (a plan needs 416 MiB at least: the graph's lower bound); the 1024 tokens per step
 make 5-7 s of compute on 2 cores, against 2-3 s of file traffic at page-cache speed (measured), so
 transfers can hide under compute. One repeat by default. Contenders: everything resident
-(Inductor + torch.optim.AdamW) and zinf with the NVMe tier; on a GPU (`--device auto` picks it where
+(Inductor + torch.optim.AdamW) and zinf with the NVMe tier, stepped in step() and in the backward
+(`zinf-nvme-ib`, bench params' docstring); on a GPU (`--device auto` picks it where
 there is one) zinf with the CPU tier too. On a CPU device that tier is the same RAM, frees nothing,
 and no plan fits this budget with it (measured: the lower bound is then 865 MiB), so it is not a
 contender there unless named. Measures and checks as bench params (its docstring).
@@ -257,6 +258,10 @@ def _regime(record: dict, regime: str, direct_Bps: float) -> dict:
         transfer = z["read_per_step"] / record["bandwidth"]["read_Bps"] + \
             z["written_per_step"] / record["bandwidth"]["write_Bps"]
     res.update(read_per_step=z["read_per_step"], written_per_step=z["written_per_step"], transfer_s=transfer)
+    ib = s.get("zinf-nvme-ib")
+    if ib is not None:  # stepped in backward: the same run's bytes and time beside zinf-nvme's
+        res["in_backward"] = dict(read_per_step=ib["read_per_step"], written_per_step=ib["written_per_step"],
+                                  step_s_vs_zinf_nvme=ib["step_s"] / z["step_s"])
     if r is not None and transfer is not None:
         bound = max(r["step_s"], transfer)
         res.update(compute_s=r["step_s"], bound_s=bound, zinf_vs_bound=z["step_s"] / bound,
@@ -274,6 +279,10 @@ def _table(out: dict) -> str:
                          f"(read {r['read_per_step'] / 1e9:.2f}); bound max(compute {r['compute_s']:.2f} s, "
                          f"transfer {r['transfer_s']:.2f} s) = {r['bound_s']:.2f} s; zinf / bound "
                          f"{r['zinf_vs_bound']:.2f}x (direct read {r['bandwidth']['direct_read_Bps'] / 1e9:.2f} GB/s)")
+        if "in_backward" in r:
+            ib = r["in_backward"]
+            lines.append(f"{regime:7} zinf-nvme-ib moved {(ib['read_per_step'] + ib['written_per_step']) / 1e9:.2f} "
+                         f"GB/step; step time {ib['step_s_vs_zinf_nvme']:.2f}x zinf-nvme's")
     return "\n".join(lines)
 
 
