@@ -391,13 +391,14 @@ def test_steps_run_on_the_worker_while_the_backward_continues(offload_root, over
         backward(model, xs[0])
         opt.step()
         opt.zero_grad()
-    go, seen, at_take = threading.Event(), [], []
+    go, seen, at_take, buffers = threading.Event(), [], [], set()
 
     def hook(point):
         if point == "nvme-step:chunk-written":
             if threading.current_thread() is not threading.main_thread():
                 go.wait(10)  # b's step waits here until the backward has queued a's
             seen.append(threading.current_thread().name)
+            buffers.add(tuple(slot["param"].data_ptr() for slot in sib_opt._bw.ring))
         elif point == "step-in-backward:stepped":
             at_take.append(len(seen))  # chunks past their write by then
             if len(at_take) == 2:
@@ -406,6 +407,8 @@ def test_steps_run_on_the_worker_while_the_backward_continues(offload_root, over
     backward(sib, xs[1])
     zoptim.FAULT_HOOK = None
     assert len(sib_opt._bw.work) == 2 and not sib_opt._bw.open  # both steps done by the backward's end
+    assert len(buffers) == 1 and len(next(iter(buffers))) == 3  # one chunk ring for both steps
+    assert sib_opt._bw.ring == []  # freed at the backward's end
     if overlap:
         assert at_take == [0, 0]  # a's reduce came while b's step had written nothing yet
         assert set(seen) and all(n.startswith("zinf-step-in-backward") for n in seen), seen

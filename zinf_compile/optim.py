@@ -80,8 +80,8 @@ parameters (whose gradients are in memory anyway) are stepped in step() as befor
   `overlap=False` steps inside the reduce instead, the backward waiting (bench/training.py
   compares the two).
   Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
-  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated for the step and
-  freed after it; it adds to the backward's memory, which the plan does not count. With overlap,
+  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated at the backward's
+  first step, reused by the next ones (grown to the widest) and freed at the backward's end; it adds to the backward's memory, which the plan does not count. With overlap,
   the gradients held by queued steps are bounded by the ring's size too (a reduce waits in the
   backward until earlier steps free room; a gradient larger than that waits until the queue is
   empty and goes alone), so a backward holds at most twice the ring's size, or one ring and one
@@ -750,12 +750,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
         return _Work(e, g, rec.step, names, fds, e.engine, {})
 
-    def _nvme_step(self, work: list["_Work"], chunk: int | None = None) -> None:
+    def _nvme_step(self, work: list["_Work"], chunk: int | None = None, chunk_ring: list | None = None) -> None:
         """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
         with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
         to the record's spare file, never over the one read: until `_nvme_commit` switches the
         slots, the previous step's parameters and states are whole in their files. A failure
-        here leaves them (and everything else) as they were: nothing was applied."""
+        here leaves them (and everything else) as they were: nothing was applied. `chunk_ring`:
+        chunk buffers kept by the caller across calls (the steps of one backward), grown as needed."""
         chunk = chunk or self._chunk()
         try:
             for w in work:
@@ -772,7 +773,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
                   for w in work for start in range(0, w.entry.shard_numel, chunk)]
         width = max(w.entry.shard_dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
         used = ("param", "grad") + tuple(n for n in _NVME_STATES if any(n in w.names for w in work))
-        ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
+        if chunk_ring is None:
+            ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
+        else:  # the backward's ring, grown to the widest step so far (its steps run one at a time)
+            while len(chunk_ring) < _RING:
+                chunk_ring.append({})
+            for slot in chunk_ring:
+                for n in used:
+                    if n not in slot or slot[n].numel() < width:
+                        slot[n] = torch.empty(width, dtype=torch.uint8)
+            ring = chunk_ring
         pool = self._executor
         reads: dict[int, tuple] = {}
         writes: dict[int, list] = {}
@@ -875,7 +885,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             else:
                 w.grad = part  # the whole gradient, in memory: it never reaches the file
             try:
-                self._nvme_step([w], chunk)
+                self._nvme_step([w], chunk, self._bw.ring)
             except BaseException as err:
                 self._in_backward_failed(e, err)
             w.grad = None  # may be the graph's buffer: not kept past this call
@@ -930,7 +940,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         slots. A failure is kept for the backward's end (or the next take, or step()) to raise."""
         try:
             if self._queue.error is None:  # after a failure the backward's steps are all dropped
-                self._nvme_step([w], chunk)
+                self._nvme_step([w], chunk, self._bw.ring)
         except BaseException as err:
             if self._queue.error is None:
                 self._queue.error = (w.entry, err)
@@ -1080,11 +1090,15 @@ class _BackwardSteps:
     hyper: dict = field(default_factory=dict)  # group index -> the hyperparameters they were taken with
     open: set = field(default_factory=set)  # graph tasks (backward calls) that stepped and have not completed
     expect: dict = field(default_factory=dict)  # id(entry) -> reduces that make its gradient whole (counted)
+    # the chunk buffers of the steps in backward, reused from one to the next (one runs at a time):
+    # allocated at the first, freed with the backward's end (or step(), or an abandon)
+    ring: list = field(default_factory=list)
 
     def clear(self) -> None:
         self.work.clear()
         self.hyper.clear()
         self.open.clear()
+        self.ring.clear()
 
 
 class _StepQueue:
@@ -1143,6 +1157,7 @@ def _backward_done(ref: "weakref.ref[ZinfOptimizer]", task: int) -> None:
     if opt is not None:
         opt._bw.open.discard(task)
         opt._settle()  # the steps it queued: done here, a failure raised from the backward
+        opt._bw.ring.clear()  # their chunk buffers go with the backward
 
 
 def _same_hyper(a: dict, b: dict) -> bool:
