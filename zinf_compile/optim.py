@@ -81,11 +81,11 @@ parameters (whose gradients are in memory anyway) are stepped in step() as befor
   compares the two).
   Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
   1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated at the backward's
-  first step, reused by the next ones (grown to the widest) and freed at the backward's end; it adds to the backward's memory, which the plan does not count. With overlap,
-  the gradients held by queued steps are bounded by the ring's size too (a reduce waits in the
-  backward until earlier steps free room; a gradient larger than that waits until the queue is
-  empty and goes alone), so a backward holds at most twice the ring's size, or one ring and one
-  gradient larger than it.
+  first step, reused by the next ones (grown to the widest) and freed at the backward's end; it
+  adds to the backward's memory, which the plan does not count. With overlap, the gradients held
+  by queued steps are bounded by the ring's size too (a reduce waits in the backward until earlier
+  steps free room; a gradient larger than that waits until the queue is empty and goes alone), so
+  a backward holds at most twice the ring's size, or one ring and one gradient larger than it.
   Numerics: bit-identical to the same optimizer without the option, hence to torch.optim on the
   whole parameters (the same arithmetic on the same values, chunk by chunk).
   Refused (ZinfError): clipping by global norm (`clip_grad_norm_`, `total_norm` of these
