@@ -34,7 +34,9 @@ compute on MODES["threads"] = 1 torch thread so the worker has the other core. E
 process, the order rotated per repeat (`--repeats`, 1 by default): 2 warm-up steps (the first
 compiles and counts each gradient's reduces, so the second already steps in backward), then 3
 measured; per step the forward, backward and opt.step() are timed apart; s/step is the median over
-every measured step of every repeat. The bytes are exact counts of the engine's reads and writes;
+every measured step of every repeat. Then, in the in-backward-overlap processes only, MODES["pairs"]
+pairs of steps with overlap off and on (`opt.overlap`, alternate order): the same process under the
+same load, so their per-pair ratio is the least noisy comparison of the two on a shared machine. The bytes are exact counts of the engine's reads and writes;
 times on a shared machine are indicative (ratios within one run are what counts). It checks that
 all modes compute the same losses and parameters bit for bit, that in-backward saves exactly one
 write and one read of every managed gradient per step, and that both in-backward modes move the
@@ -54,7 +56,8 @@ from bench import _harness, params
 
 GPT = dict(model="gpt", layers=8, hidden=1024, heads=16, batch=4, seq=256, vocab=8192, budget="448MiB")
 # the optimizer modes' model: 2 blocks of 512, 8192-token vocabulary (tied), 10.5M parameters; 1 thread
-MODES = dict(layers=2, hidden=512, heads=8, batch=4, seq=64, vocab=8192, lr=1e-3, warmup=2, steps=3, threads=1)
+MODES = dict(layers=2, hidden=512, heads=8, batch=4, seq=64, vocab=8192, lr=1e-3, warmup=2, steps=3, threads=1,
+             pairs=6)
 MODE_NAMES = ("step", "in-backward-sync", "in-backward-overlap")
 
 
@@ -165,7 +168,16 @@ def _mode_worker(args) -> dict:
     for k in sorted(sd):
         crc = zlib.crc32(sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes(), crc)
     entries = STORE.entries()
-    return dict(mode=mode, losses=m["losses"], loss_bits=[float.hex(x) for x in m["losses"]],
+    paired = []  # in-backward-overlap's process: then steps with overlap off and on, alternately
+    for k in range(args.pairs if mode == "in-backward-overlap" else 0):
+        t = {}
+        for overlap in ((False, True) if k % 2 == 0 else (True, False)):
+            opt.overlap = overlap
+            t0 = time.perf_counter()
+            step()
+            t[overlap] = time.perf_counter() - t0
+        paired.append(dict(sync_s=t[False], overlap_s=t[True]))
+    return dict(mode=mode, paired=paired, losses=m["losses"], loss_bits=[float.hex(x) for x in m["losses"]],
                 params_crc32=crc, step_s=m["step_s"], moved_per_step=m["moved_per_step"], counts=counts,
                 phases=phases[args.warmup:], threads=torch.get_num_threads(),
                 queue=dict(peak_bytes=opt._queue.peak, waits=opt._queue.waits),
@@ -193,6 +205,12 @@ def _modes(names: list[str], out_dir: str, repeats: int) -> int:
                           shard_bytes=rs[0]["shard_bytes"], param_numel=rs[0]["param_numel"],
                           loss_bits=rs[0]["loss_bits"], params_crc32=rs[0]["params_crc32"],
                           bytes_same_every_repeat=all(r["moved_per_step"] == rs[0]["moved_per_step"] for r in rs))
+    pairs = [p for r in runs for p in r.get("paired", ())]
+    if pairs:  # the same process, the same load: overlap off and on in alternate steps
+        summary["in-backward-overlap"]["paired"] = dict(
+            pairs=len(pairs), sync_s=statistics.median(p["sync_s"] for p in pairs),
+            overlap_s=statistics.median(p["overlap_s"] for p in pairs),
+            overlap_vs_sync=statistics.median(p["overlap_s"] / p["sync_s"] for p in pairs))
     checks = {"bytes_same_every_repeat": all(s["bytes_same_every_repeat"] for s in summary.values())}
     s0 = next(iter(summary.values()))
     checks.update(same_losses=all(s["loss_bits"] == s0["loss_bits"] for s in summary.values()),
@@ -237,6 +255,10 @@ def _modes_table(summary: dict, checks: dict) -> str:
                      f"{(s['read_per_step'] + s['written_per_step']) / 1e6:>9.2f} {s['step_s']:>7.3f} "
                      f"{s['forward_s']:>6.3f} {s['backward_s']:>6.3f} {s['opt_step_s']:>8.3f} "
                      f"{s['stepped_in_backward']:>8}/{s['managed']}")
+    pa = summary.get("in-backward-overlap", {}).get("paired")
+    if pa:
+        lines.append(f"paired, in the overlap processes (alternate steps, {pa['pairs']} pairs): sync {pa['sync_s']:.3f} "
+                     f"s, overlap {pa['overlap_s']:.3f} s; median per-pair ratio overlap/sync {pa['overlap_vs_sync']:.3f}")
     lines.append("checks: " + ", ".join(f"{k}={round(v, 3) if isinstance(v, float) else v}" for k, v in checks.items()))
     return "\n".join(lines)
 
