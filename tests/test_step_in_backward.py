@@ -452,7 +452,7 @@ def test_queue_of_steps_is_bounded_and_the_backward_waits_for_room(offload_root)
     assert small < cap < big < 2 * cap and small + big > cap
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(8, 700, generator=g) for _ in range(4)]
-    zoptim.FAULT_HOOK = _slow_worker(0.05)  # b's 3 chunks: 0.15 s, much longer than the backward from b to a
+    zoptim.FAULT_HOOK = _slow_worker(0.1)  # b's 3 chunks: 0.3 s, much longer than the backward from b to a
     for i, x in enumerate(xs):
         for model, opt in ((sib, sib_opt), (ref, ref_opt)):
             backward(model, x)
