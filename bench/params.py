@@ -12,6 +12,10 @@ contender, each in fresh processes, alternately:
                    + zinf_compile.optimizer(model, AdamW): the planner shards parameters to NVMe
                    because they do not fit; gradients and AdamW states live there too
     zinf-nvme-2r   the same under torchrun --nproc-per-node 2 (gloo), the global batch split
+    zinf-nvme-ib   zinf-nvme with zinf_compile.optimizer(..., step_in_backward=True): each NVMe
+                   parameter stepped in the backward, on the optimizer's worker thread, as soon as
+                   its gradient is whole (the gradient never reaches its file); in "auto" for the
+                   GPT (bench training), nameable for the MLP
     zinf-cpu       the CPU tier instead (a contender on a GPU; on a CPU device it frees nothing)
 
 Memory: every process reads VmRSS after its imports, before the model exists (`base`), then builds,
@@ -54,7 +58,7 @@ import time
 from bench import _harness
 
 MiB = 2**20
-CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r", "zinf-cpu")
+CONTENDERS = ("resident", "zinf-nvme", "zinf-nvme-2r", "zinf-cpu", "zinf-nvme-ib")
 LIMIT = 1.25
 STATE_FACTOR = 4.0
 DEFAULTS = dict(model="mlp", layers=6, hidden=4096, batch=512, seq=256, heads=16, vocab=8192, steps=2, warmup=1,
@@ -120,7 +124,8 @@ def worker(args) -> dict:
         tier = "cpu" if args.worker == "zinf-cpu" else "nvme"
         options = {"budget": args.budget, "offload": tier, "offload_dir": args.offload_dir}
         fn = torch.compile(model, backend="zinf", options=options)
-        opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr)
+        opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr,
+                                     step_in_backward=args.worker == "zinf-nvme-ib")
 
     def step() -> float:
         loss = loss_of(fn, *inputs)
@@ -187,11 +192,13 @@ def _contenders(args) -> str:
     if args.contenders != "auto":
         return args.contenders
     two = "zinf-nvme-2r" if args.model == "mlp" else ""
+    ib = ["zinf-nvme-ib"] if args.model == "gpt" else []
     if _harness.device(args.device).startswith("cuda"):
         import torch
 
-        return ",".join(["resident", "zinf-cpu", "zinf-nvme"] + ([two] if two and torch.cuda.device_count() > 1 else []))
-    return ",".join(["resident", "zinf-nvme"] + ([two] if two else []))
+        return ",".join(["resident", "zinf-cpu", "zinf-nvme"] + ib +
+                        ([two] if two and torch.cuda.device_count() > 1 else []))
+    return ",".join(["resident", "zinf-nvme"] + ib + ([two] if two else []))
 
 
 def _median(xs):
@@ -253,6 +260,14 @@ def parent(args) -> int:
             transfer = z["read_per_step"] / bw["read_Bps"] + z["written_per_step"] / bw["write_Bps"]
             checks["speed"] = dict(ratio_vs_resident=z["step_s"] / comp, compute_s=comp, transfer_s=transfer,
                                    bound_s=max(comp, transfer), ratio_vs_bound=z["step_s"] / max(comp, transfer))
+    if "zinf-nvme-ib" in summary:
+        ib = summary["zinf-nvme-ib"]
+        checks["zinf_nvme_ib_growth_vs_budget"] = ib["growth_max"] / budget
+        checks["zinf_nvme_ib_growth_within_1.25x_budget"] = ib["growth_max"] <= LIMIT * budget
+        if "zinf-nvme" in summary:
+            z = summary["zinf-nvme"]
+            checks["speed_in_backward"] = dict(ratio_vs_zinf_nvme=ib["step_s"] / z["step_s"],
+                                               moved_ratio_vs_zinf_nvme=ib["moved_per_step"] / z["moved_per_step"])
     if "zinf-cpu" in summary and "resident" in summary:  # on a CPU device that tier frees no memory
         checks["speed_cpu_tier"] = dict(ratio_vs_resident=summary["zinf-cpu"]["step_s"] / summary["resident"]["step_s"])
     if "zinf-nvme" in summary and "zinf-nvme-2r" in summary:
@@ -306,6 +321,10 @@ def _table(summary, budget, states, bw, checks) -> str:
         lines.append(f"zinf-nvme / resident step time {sp['ratio_vs_resident']:.2f}x; bound max(compute "
                      f"{sp['compute_s']:.2f} s, transfer {sp['transfer_s']:.2f} s) = {sp['bound_s']:.2f} s; "
                      f"zinf / bound {sp['ratio_vs_bound']:.2f}x")
+    if "speed_in_backward" in checks:
+        sib = checks["speed_in_backward"]
+        lines.append(f"zinf-nvme-ib / zinf-nvme step time {sib['ratio_vs_zinf_nvme']:.2f}x, bytes moved "
+                     f"{sib['moved_ratio_vs_zinf_nvme']:.2f}x")
     if "speed_cpu_tier" in checks:
         lines.append(f"zinf-cpu / resident step time {checks['speed_cpu_tier']['ratio_vs_resident']:.2f}x")
     lines.append("checks: " + ", ".join(f"{k}={v if not isinstance(v, float) else round(v, 3)}"

@@ -357,6 +357,198 @@ def test_refusals_say_what_to_do(offload_root):
         optimizer(sib, torch.optim.AdamW, step_in_backward=True).step()
 
 
+# -- overlap: the steps run on the optimizer's worker thread while the backward continues ---------
+def _slow_worker(seconds: float, seen: list | None = None):
+    """A FAULT_HOOK: each chunk written by a step sleeps `seconds` on the worker thread (never on
+    the backward's), and its thread's name goes to `seen`."""
+    import threading
+    import time
+
+    def hook(point):
+        if point == "nvme-step:chunk-written":
+            if seen is not None:
+                seen.append(threading.current_thread().name)
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(seconds)
+    return hook
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_steps_run_on_the_worker_while_the_backward_continues(offload_root, overlap):
+    """With overlap, b's step (the first reduce) is held on the worker until the backward has
+    reached a's reduce and queued a's step: the backward went on while b was being stepped. With
+    overlap=False each step runs in the reduce, on the backward's thread. Both bit-identical."""
+    import threading
+
+    (ref, ref_opt), (_, _), (sib, sib_opt) = trio(offload_root)
+    if not overlap:
+        sib = copy.deepcopy(ref)
+        manage(sib, offload_root)
+        sib_opt = optimizer(sib, torch.optim.AdamW, step_in_backward=True, overlap=False, **HP)
+        sib_opt.chunk_elems = CHUNK
+    xs = batches(3)
+    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
+        backward(model, xs[0])
+        opt.step()
+        opt.zero_grad()
+    go, seen, at_take, buffers = threading.Event(), [], [], set()
+
+    def hook(point):
+        if point == "nvme-step:chunk-written":
+            if threading.current_thread() is not threading.main_thread():
+                go.wait(10)  # b's step waits here until the backward has queued a's
+            seen.append(threading.current_thread().name)
+            buffers.add(tuple(slot["param"].data_ptr() for slot in sib_opt._bw.ring))
+        elif point == "step-in-backward:stepped":
+            at_take.append(len(seen))  # chunks past their write by then
+            if len(at_take) == 2:
+                go.set()
+    zoptim.FAULT_HOOK = hook
+    backward(sib, xs[1])
+    zoptim.FAULT_HOOK = None
+    assert len(sib_opt._bw.work) == 2 and not sib_opt._bw.open  # both steps done by the backward's end
+    assert len(buffers) == 1 and len(next(iter(buffers))) == 3  # one chunk ring for both steps
+    assert sib_opt._bw.ring == []  # freed at the backward's end
+    if overlap:
+        assert at_take == [0, 0]  # a's reduce came while b's step had written nothing yet
+        assert set(seen) and all(n.startswith("zinf-step-in-backward") for n in seen), seen
+    else:
+        assert at_take == [3, 6]  # each 3-chunk step done within its reduce
+        assert set(seen) == {threading.main_thread().name}
+    backward(ref, xs[1])
+    for opt in (sib_opt, ref_opt):
+        opt.step()
+        opt.zero_grad()
+    assert sib_opt.last_step_counts == {"in_backward": 2, "in_step": 0}
+    assert_same(sib, ref)
+    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+
+
+class Wide(nn.Module):
+    """b (100x100, the first reduce) is small, a (100x700) more than the queue holds with b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(700, 100)
+        self.b = nn.Linear(100, 100)
+        self.head = nn.Linear(100, 7)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.b(F.gelu(self.a(x)))))
+
+
+def test_queue_of_steps_is_bounded_and_the_backward_waits_for_room(offload_root):
+    """The queue holds gradients of at most the chunk ring's size (3 x 5 x 4 bytes x chunk), one
+    step always admitted: a's 280 kB gradient waits in the backward until b's step is done."""
+    ref = Wide()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    sib = copy.deepcopy(ref)
+    manage(sib, offload_root)
+    sib_opt = optimizer(sib, torch.optim.AdamW, step_in_backward=True, **HP)
+    sib_opt.chunk_elems = CHUNK
+    cap = 3 * 5 * 4 * CHUNK
+    big, small = STORE.entry(sib.a.weight).shard_nbytes, STORE.entry(sib.b.weight).shard_nbytes
+    assert small < cap < big < 2 * cap and small + big > cap
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 700, generator=g) for _ in range(4)]
+    zoptim.FAULT_HOOK = _slow_worker(0.1)  # b's 3 chunks: 0.3 s, much longer than the backward from b to a
+    for i, x in enumerate(xs):
+        for model, opt in ((sib, sib_opt), (ref, ref_opt)):
+            backward(model, x)
+            opt.step()
+            opt.zero_grad()
+        assert sib_opt.last_step_counts["in_backward"] == (2 if i else 0)
+    q = sib_opt._queue
+    assert q.waits == 3  # once per step in backward: a waited for b
+    assert q.peak == big  # never b's and a's gradients together
+    assert q.held == 0
+    assert_same(sib, ref)
+    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+
+
+class _ReduceThenReuse(torch.autograd.Function):
+    """x @ w.T whose backward reduces the weight's gradient, then writes over that buffer, as
+    Inductor reuses a buffer once its last user (the reduce) has returned."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        with torch._C.DisableTorchFunctionSubclass():
+            w = STORE.full(STORE.entry(p))
+        ctx.save_for_backward(x, w)
+        ctx.p = p
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gw = g.t() @ x
+        with torch._C.DisableTorchFunctionSubclass():
+            STORE.reduce_grad(ctx.p, gw)
+        gw.fill_(1e6)  # the buffer's next use
+        return g @ w, None
+
+
+def test_gradient_handed_to_the_worker_is_its_own(offload_root):
+    """The gradient a reduce hands over aliases the graph's buffer (one rank: a view of it); the
+    queued step must not see what the graph writes there afterwards."""
+    (ref, ref_opt), (_, _), (sib, sib_opt) = trio(offload_root)
+
+    def loss(model, fn, x):
+        h = fn.apply(x, model.a.weight) + model.a.bias
+        return model.head(F.gelu(model.b(F.gelu(h)))).pow(2).mean()
+
+    zoptim.FAULT_HOOK = _slow_worker(0.02)  # the step reads the gradient well after the reduce returned
+    for i, x in enumerate(batches(3)):
+        loss(sib, _ReduceThenReuse, x).backward()
+        sib_opt.step()
+        sib_opt.zero_grad()
+        h = x @ ref.a.weight.t() + ref.a.bias
+        ref.head(F.gelu(ref.b(F.gelu(h)))).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert sib_opt.last_step_counts["in_backward"] == (2 if i else 0)
+    assert_same(sib, ref)
+    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+
+
+def test_failure_on_the_worker_is_raised_from_the_backward(offload_root, monkeypatch):
+    """b's step fails on the worker (disk full) while the backward goes on: the backward raises
+    (at a's reduce, or at its end), nothing is applied, and the step run again matches torch."""
+    (ref, ref_opt), (_, _), (sib, sib_opt) = trio(offload_root)
+    xs = batches(2)
+    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
+        backward(model, xs[0])
+        opt.step()
+        opt.zero_grad()
+    before, before_sd = params_of(sib), copy.deepcopy(sib_opt.state_dict())
+    eng = STORE.entry(sib.a.weight).engine
+    real, threads = eng.write_file, set()
+
+    def write_file(fd, t, offset=0):
+        import threading
+
+        threads.add(threading.current_thread().name)
+        raise ZinfError("zinf: No space left on device writing to /nvme/zinf")
+    monkeypatch.setattr(eng, "write_file", write_file)
+    with pytest.raises(ZinfError, match=r"stepping 'b.weight' in backward failed.*No space left on device.*"
+                                        r"as the previous step left them"):
+        backward(sib, xs[1])
+    monkeypatch.setattr(eng, "write_file", real)
+    assert threads and not any(n == "MainThread" for n in threads)  # written from the I/O pool, for the worker
+    assert not sib_opt._bw.work and sib_opt._queue.error is None and sib_opt._queue.held == 0
+    sib_opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(sib), before))
+    assert_same_state(sib_opt.state_dict(), before_sd)
+    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
+        backward(model, xs[1])
+        opt.step()
+        opt.zero_grad()
+    assert sib_opt.last_step_counts == {"in_backward": 2, "in_step": 0}
+    assert_same(sib, ref)
+    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+
+
 # -- end to end: a compiled MLP with a tied hidden weight against Inductor --------------------------
 class Tied(nn.Module):
     """`mid` is applied twice: its weight is gathered again in the backward after its first use.

@@ -68,9 +68,24 @@ parameters (whose gradients are in memory anyway) are stepped in step() as befor
   raises ZinfError in the backward and abandons the step: parameters and states as the previous
   step left them, this step's gradients lost (zero_grad() and run it again; the count is learned
   anew).
+  Overlap (`overlap=True`, the default): the reduce hands the step to the optimizer's own worker
+  thread (one, so steps run in the order their gradients were completed) and returns; the backward
+  computes on while the worker reads the parameter and states, steps and writes (its torch ops use
+  the caller's torch.get_num_threads(); its file I/O the optimizer's I/O threads). The step gets a
+  gradient of its own: a copy of the reduce's (which may alias a buffer the graph reuses once the
+  reduce returns), or, when earlier parts went to the file, the sum read back from it. The end of
+  the backward (autograd's final callback) waits for every queued step, so a failure on the worker
+  (a full disk) is raised from the backward (or already at the next reduce that would step), with
+  the same guarantees as above; step(), zero_grad() and state changes wait for them too.
+  `overlap=False` steps inside the reduce instead, the backward waiting (bench/training.py
+  compares the two).
   Memory: a step in backward streams the parameter in chunks through a ring of buffers of at most
-  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated for the step and
-  freed after it; it adds to the backward's memory, which the plan does not count.
+  1/16 of the budget (IN_BACKWARD_SHARE; `chunk_elems` overrides), allocated at the backward's
+  first step, reused by the next ones (grown to the widest) and freed at the backward's end; it
+  adds to the backward's memory, which the plan does not count. With overlap, the gradients held
+  by queued steps are bounded by the ring's size too (a reduce waits in the backward until earlier
+  steps free room; a gradient larger than that waits until the queue is empty and goes alone), so
+  a backward holds at most twice the ring's size, or one ring and one gradient larger than it.
   Numerics: bit-identical to the same optimizer without the option, hence to torch.optim on the
   whole parameters (the same arithmetic on the same values, chunk by chunk).
   Refused (ZinfError): clipping by global norm (`clip_grad_norm_`, `total_norm` of these
@@ -124,7 +139,7 @@ _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparame
 
 
 def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-              **kwargs) -> "ZinfOptimizer":
+              overlap: bool = True, **kwargs) -> "ZinfOptimizer":
     """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
     iterable of parameters / param-group dicts), stepping managed parameters where they live.
 
@@ -133,9 +148,11 @@ def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backw
     under (the step runs between training steps, when the graphs' memory is free), and at most
     DEFAULT_CHUNK_ELEMS. `step_in_backward`: step each NVMe-tier parameter in the backward, as soon
     as its gradient is whole, instead of writing the gradient to its file and reading it back at
-    step() (see "Stepping in backward" in the module's docstring); the other keyword arguments go
-    to `cls`."""
-    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, **kwargs)
+    step() (see "Stepping in backward" in the module's docstring); `overlap` (with it): those steps
+    run on the optimizer's own thread while the backward continues (False: inside the reduce, the
+    backward waiting); the other keyword arguments go to `cls`."""
+    return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, overlap=overlap,
+                         **kwargs)
 
 
 def _supported_nvme() -> tuple[type, ...]:
@@ -213,7 +230,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
     """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
 
     def __init__(self, model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-                 **kwargs) -> None:
+                 overlap: bool = True, **kwargs) -> None:
         # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
         # optimizer's. The hook tables are there for the methods inherited from the base class.
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -241,6 +258,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         if self.step_in_backward:
             _check_in_backward_class(cls, kwargs)
         self._bw = _BackwardSteps()
+        self.overlap = bool(overlap)  # steps in backward on the queue's worker thread (else in the reduce)
+        self._queue = _StepQueue()
         # what the last step() committed: NVMe-tier parameters stepped in backward / in step()
         self.last_step_counts = {"in_backward": 0, "in_step": 0}
         RUNTIME.optimizers.add(self)  # zinf_compile.reset() brings its states home before the files go
@@ -296,6 +315,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            self._settle()  # the steps queued in backward: done (normally already, at the backward's end)
             self._check_backward_steps()
             self._push_hyper()
             # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
@@ -349,6 +369,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             else:
                 entries.append(e)
         entries += [e for _, _, e in lay.nvme]
+        self._queue.drain()  # no step queued in backward still running while its gradient goes
         STORE.zero_grad(entries)
 
     def state_dict(self) -> dict[str, Any]:
@@ -468,6 +489,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         keep = {id(e) for _, _, e in lay.nvme} & {id(e) for _, _, e in old.nvme}
         self._nvme_state = {i: r for i, r in self._nvme_state.items() if i in keep}
         self._spare = {i: r for i, r in self._spare.items() if i in keep}
+        self._queue.drain()  # a failure stays recorded: step() raises it
         for i in [i for i in self._bw.work if i not in keep]:  # a parameter released since its step in backward
             del self._bw.work[i]
         # counts of reduces: only for entries still held (a new entry may reuse a dead one's id)
@@ -728,12 +750,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fds = {n: e.state_fds[n] for n in names if rec.step}  # made here, not in the I/O threads
         return _Work(e, g, rec.step, names, fds, e.engine, {})
 
-    def _nvme_step(self, work: list["_Work"], chunk: int | None = None) -> None:
+    def _nvme_step(self, work: list["_Work"], chunk: int | None = None, chunk_ring: list | None = None) -> None:
         """Adam/AdamW over the NVMe tier's parameters, chunk by chunk, reads and writes overlapped
         with the arithmetic (the read of chunk i+1, the write of chunk i-1). Every new value goes
         to the record's spare file, never over the one read: until `_nvme_commit` switches the
         slots, the previous step's parameters and states are whole in their files. A failure
-        here leaves them (and everything else) as they were: nothing was applied."""
+        here leaves them (and everything else) as they were: nothing was applied. `chunk_ring`:
+        chunk buffers kept by the caller across calls (the steps of one backward), grown as needed."""
         chunk = chunk or self._chunk()
         try:
             for w in work:
@@ -750,7 +773,16 @@ class ZinfOptimizer(torch.optim.Optimizer):
                   for w in work for start in range(0, w.entry.shard_numel, chunk)]
         width = max(w.entry.shard_dtype.itemsize for w in work) * min(chunk, max(w.entry.shard_numel for w in work))
         used = ("param", "grad") + tuple(n for n in _NVME_STATES if any(n in w.names for w in work))
-        ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
+        if chunk_ring is None:
+            ring = [{n: torch.empty(width, dtype=torch.uint8) for n in used} for _ in range(min(_RING, len(chunks)))]
+        else:  # the backward's ring, grown to the widest step so far (its steps run one at a time)
+            while len(chunk_ring) < _RING:
+                chunk_ring.append({})
+            for slot in chunk_ring:
+                for n in used:
+                    if n not in slot or slot[n].numel() < width:
+                        slot[n] = torch.empty(width, dtype=torch.uint8)
+            ring = chunk_ring
         pool = self._executor
         reads: dict[int, tuple] = {}
         writes: dict[int, list] = {}
@@ -815,6 +847,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         makes its gradient whole, as counted in an earlier step; False to let the gradient go to
         its tier as usual. Runs inside the backward (the graph's reduce, or an eager read's)."""
         bw = self._bw
+        if self._queue.error is not None:
+            self._settle()  # a step queued earlier in this backward failed: abandon it here
         if id(e) in bw.work:
             self._abandon_backward()
             bw.expect.clear()
@@ -842,24 +876,21 @@ class ZinfOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._abandon_backward()
             raise
-        if rows is not None or e.has_grad:
-            e.accumulate_grad(part, rows)  # earlier parts are in the file: the step reads the sum there
+        chunk = self._chunk(in_backward=True)
+        if self.overlap:
+            self._queue_step(w, part, rows, chunk)
         else:
-            w.grad = part  # the whole gradient, in memory: it never reaches the file
-        try:
-            self._nvme_step([w], self._chunk(in_backward=True))
-        except BaseException as err:
-            self._abandon_backward()
-            if not isinstance(err, Exception):
-                raise
-            raise ZinfError(
-                f"zinf: stepping {e.name!r} in backward failed ({err.__cause__ or err}); this step is abandoned: "
-                f"every parameter and optimizer state is as the previous step left them, and this step's "
-                f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step "
-                f"again") from err
-        w.grad = None  # may be the graph's buffer: not kept past this call
-        e.drop_grad()
-        bw.work[id(e)] = w
+            if rows is not None or e.has_grad:
+                e.accumulate_grad(part, rows)  # earlier parts are in the file: the step reads the sum there
+            else:
+                w.grad = part  # the whole gradient, in memory: it never reaches the file
+            try:
+                self._nvme_step([w], chunk, self._bw.ring)
+            except BaseException as err:
+                self._in_backward_failed(e, err)
+            w.grad = None  # may be the graph's buffer: not kept past this call
+            e.drop_grad()
+            bw.work[id(e)] = w
         bw.hyper.setdefault(gi, hyper)
         if task not in bw.open:  # the backward's end (only when it completes) closes it
             bw.open.add(task)
@@ -868,8 +899,64 @@ class ZinfOptimizer(torch.optim.Optimizer):
         _point("step-in-backward:stepped")
         return True
 
+    def _queue_step(self, w: "_Work", part: torch.Tensor, rows: tuple[int, int] | None, chunk: int) -> None:
+        """overlap=True: hand `w`'s step to the queue's worker, with a gradient of its own (`part`
+        may be the graph's buffer, which Inductor reuses once the reduce returns). Waits first for
+        room in the queue (its gradients within the chunk ring's size), so the copy is made within it."""
+        e, q = w.entry, self._queue
+        nbytes = e.shard_numel * e.shard_dtype.itemsize
+        q.admit(nbytes, _RING * 5 * 4 * chunk)
+        try:
+            if rows is not None or e.has_grad:
+                e.accumulate_grad(part, rows)  # earlier parts are in the file: the sum is read back here
+                e.complete_grad()
+                w.grad = torch.empty(e.shard_numel, dtype=e.shard_dtype)
+                e.read_grad_into(w.grad)
+            else:
+                w.grad = part.clone()
+            for name in ("param",) + w.names:  # the files are taken here: the worker touches no shared table
+                self._out_file(w, name)
+        except BaseException as err:
+            q.release(nbytes)
+            self._keep_spares([w])
+            self._in_backward_failed(e, err)
+        w.group = dict(w.group)  # the hyperparameters as they are now (step() checks they still are)
+        e.drop_grad()  # the step holds the gradient now (w.grad)
+        self._bw.work[id(e)] = w
+        q.submit(functools.partial(self._run_queued, w, chunk), nbytes)
+
+    def _in_backward_failed(self, e: Entry, err: BaseException) -> None:
+        """A step in backward failed: every step of this backward is dropped, and this raises."""
+        self._abandon_backward()
+        if not isinstance(err, Exception):
+            raise err  # Ctrl-C, SystemExit: themselves (nothing applied either)
+        raise ZinfError(
+            f"zinf: stepping {e.name!r} in backward failed ({err.__cause__ or err}); this step is abandoned: "
+            f"every parameter and optimizer state is as the previous step left them, and this step's "
+            f"gradients are lost. Fix the cause (free space), call opt.zero_grad() and run the step again") from err
+
+    def _run_queued(self, w: "_Work", chunk: int) -> None:
+        """A step in backward, on the queue's worker thread: reads, steps and writes to the spare
+        slots. A failure is kept for the backward's end (or the next take, or step()) to raise."""
+        try:
+            if self._queue.error is None:  # after a failure the backward's steps are all dropped
+                self._nvme_step([w], chunk, self._bw.ring)
+        except BaseException as err:
+            if self._queue.error is None:
+                self._queue.error = (w.entry, err)
+        finally:
+            w.grad = None
+
+    def _settle(self) -> None:
+        """Wait for the steps queued in backward; if one failed, abandon them all and raise."""
+        q = self._queue
+        q.drain()
+        if q.error is not None:
+            self._in_backward_failed(*q.error)
+
     def grad_cleared(self, e: Entry) -> None:
         """The store cleared `e`'s gradient (zero_grad): a step taken with it in backward goes too."""
+        self._queue.drain()  # a step queued with it is done (or failed: step() says so)
         w = self._bw.work.pop(id(e), None)
         if w is not None:
             self._keep_spares([w])
@@ -878,6 +965,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     def _abandon_backward(self) -> None:
         """Drop every step taken in backward and not committed (their files are spares again)."""
+        self._queue.drain()
+        self._queue.error = None
         self._keep_spares(list(self._bw.work.values()))
         self._bw.clear()
 
@@ -1001,11 +1090,65 @@ class _BackwardSteps:
     hyper: dict = field(default_factory=dict)  # group index -> the hyperparameters they were taken with
     open: set = field(default_factory=set)  # graph tasks (backward calls) that stepped and have not completed
     expect: dict = field(default_factory=dict)  # id(entry) -> reduces that make its gradient whole (counted)
+    # the chunk buffers of the steps in backward, reused from one to the next (one runs at a time):
+    # allocated at the first, freed with the backward's end (or step(), or an abandon)
+    ring: list = field(default_factory=list)
 
     def clear(self) -> None:
         self.work.clear()
         self.hyper.clear()
         self.open.clear()
+        self.ring.clear()
+
+
+class _StepQueue:
+    """The steps taken in backward with overlap=True, run in order on one worker thread while the
+    backward computes. The gradients they hold (copies) are bounded: a step whose gradient would
+    take them past `cap` bytes waits in the backward until earlier ones are done (one is always
+    admitted), so with the chunk ring their memory stays within the in-backward share."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._futures: list = []
+        self.held = 0  # bytes of gradients held by steps submitted and not done
+        self.peak = 0  # the most `held` was (tests, bench)
+        self.waits = 0  # submissions that waited for room
+        self.error: tuple | None = None  # (entry, exception) of the first step that failed
+
+    def admit(self, nbytes: int, cap: int) -> None:
+        """Room for a gradient of `nbytes`: waits while earlier steps hold too much."""
+        with self._cond:
+            if self.held and self.held + nbytes > cap:
+                self.waits += 1
+                self._cond.wait_for(lambda: not self.held or self.held + nbytes <= cap)
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+    def submit(self, fn: Callable[[], None], nbytes: int) -> None:
+        """Run `fn` on the worker; `nbytes` (admitted) are released when it is done."""
+        if self._pool is None:  # its torch ops use as many threads as the caller's (1 in a 1-thread run)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zinf-step-in-backward",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self.release(nbytes)
+
+        self._futures.append(self._pool.submit(run))
+
+    def drain(self) -> None:
+        """Wait for every step submitted (they do not raise: a failure is kept in `error`)."""
+        futs, self._futures = self._futures, []
+        for f in futs:
+            f.result()
 
 
 def _backward_done(ref: "weakref.ref[ZinfOptimizer]", task: int) -> None:
@@ -1013,6 +1156,8 @@ def _backward_done(ref: "weakref.ref[ZinfOptimizer]", task: int) -> None:
     opt = ref()
     if opt is not None:
         opt._bw.open.discard(task)
+        opt._settle()  # the steps it queued: done here, a failure raised from the backward
+        opt._bw.ring.clear()  # their chunk buffers go with the backward
 
 
 def _same_hyper(a: dict, b: dict) -> bool:
