@@ -22,6 +22,9 @@ from zinf_compile.errors import ZinfError
 from zinf_compile.optim import optimizer
 from zinf_compile.runtime.state import STORE, register_engine
 
+from test_optim import assert_same_optim_state as assert_same_state  # noqa: E402
+from test_optim import assert_same_params as assert_same  # noqa: E402
+
 KEY = (1 << 62) + 21  # above the backend's keys (62-bit digests), apart from test_optim's
 CHUNK = 4096  # a 100x100 weight is 3 chunks and a tail
 HP = dict(lr=1e-2, weight_decay=0.1)
@@ -86,20 +89,6 @@ def whole(p: torch.Tensor) -> torch.Tensor:
 
 def params_of(model) -> list[torch.Tensor]:
     return [whole(p) for p in model.parameters()]
-
-
-def assert_same(model, ref) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(whole(p), q.detach()), name
-
-
-def assert_same_state(sd, ref_sd) -> None:
-    assert sd["param_groups"] == ref_sd["param_groups"]
-    assert sd["state"].keys() == ref_sd["state"].keys()
-    for i, st in ref_sd["state"].items():
-        assert sd["state"][i].keys() == st.keys(), i
-        for k, v in st.items():
-            assert sd["state"][i][k].dtype == v.dtype and torch.equal(sd["state"][i][k], v), (i, k)
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
