@@ -260,3 +260,15 @@ def run_worker(args, worker, needs_dir: bool = True) -> int:
     finally:
         if own:
             shutil.rmtree(args.offload_dir, ignore_errors=True)
+
+
+def disk_usage(path: str) -> int:
+    """Bytes allocated on disk under `path` (st_blocks: a sparse file counts what it holds)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:  # removed meanwhile
+                pass
+    return total

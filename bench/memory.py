@@ -142,15 +142,6 @@ def _files_under(path: str) -> list[str]:
     return sorted(out)
 
 
-def _du(path: str) -> int:
-    total = 0
-    for dirpath, _, filenames in os.walk(path):
-        for name in filenames:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def _zinf_options(pairs: list[str]) -> dict:
@@ -240,7 +231,7 @@ def worker(args) -> dict:
         result["plans"] = [_plan_summary(p) for p in plans]
         result["engine_stats"] = [dict(e.stats) for e in zstate.RUNTIME.engines.values()]
         result["swap_files_during_run"] = _files_under(args.offload_dir)
-        result["swap_bytes_on_disk"] = _du(args.offload_dir)
+        result["swap_bytes_on_disk"] = _harness.disk_usage(args.offload_dir)
         del fn, model, opt
         gc.collect()
         zstate.close_all()

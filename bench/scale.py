@@ -343,16 +343,6 @@ def recipe_worker(args) -> dict:
                 zinf_vs_from_pretrained=float((got - want).abs().max()), absmax=float(want.abs().max()))
 
 
-def du(path: str) -> int:
-    """Bytes allocated on disk under `path` (st_blocks: sparse files count what they hold)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def _disk_watch(path: str, reserve: int, seen: dict) -> None:
@@ -413,7 +403,7 @@ def train_worker(args) -> dict:
         out["step_s"].append(time.perf_counter() - t0)
         out["losses"].append(float(loss.detach()))
         out["moved"].append({k: v - before[k] for k, v in _harness.engine_bytes().items()})
-        out.setdefault("swap_bytes_after_step", []).append(du(args.offload_dir))
+        out.setdefault("swap_bytes_after_step", []).append(_harness.disk_usage(args.offload_dir))
         log(f"worker: step {step + 1}: loss {out['losses'][-1]:.4f}, {out['step_s'][-1]:.1f} s, free disk "
             f"{disk_free(args.offload_dir) / GB:.1f} GB (least {seen.get('min_free', 0) / GB:.1f}), zinf's "
             f"files {out['swap_bytes_after_step'][-1] / GB:.1f} GB")

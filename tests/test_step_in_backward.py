@@ -91,6 +91,21 @@ def params_of(model) -> list[torch.Tensor]:
     return [whole(p) for p in model.parameters()]
 
 
+def _intact_then_resumes(sib, sib_opt, ref, ref_opt, before, before_sd, x) -> None:
+    """After a failed backward: `sib` and its optimizer as `before`/`before_sd` left them, and the
+    step rerun on `x` (stepped in backward) matching the reference stepped on `x`, bit for bit."""
+    sib_opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(sib), before))
+    assert_same_state(sib_opt.state_dict(), before_sd)
+    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
+        backward(model, x)
+        opt.step()
+        opt.zero_grad()
+    assert sib_opt.last_step_counts == {"in_backward": 2, "in_step": 0}
+    assert_same(sib, ref)
+    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+
+
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(8, 100, generator=g) for _ in range(n)]
@@ -236,16 +251,7 @@ def test_failure_midway_through_backward_leaves_the_previous_step(offload_root, 
             backward(sib, xs[2])
         monkeypatch.setattr(eng, "write_file", real)
         assert not sib_opt._bw.work
-    sib_opt.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(params_of(sib), before))
-    assert_same_state(sib_opt.state_dict(), before_sd)
-    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
-        backward(model, xs[2])
-        opt.step()
-        opt.zero_grad()
-    assert sib_opt.last_step_counts == {"in_backward": 2, "in_step": 0}
-    assert_same(sib, ref)
-    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+    _intact_then_resumes(sib, sib_opt, ref, ref_opt, before, before_sd, xs[2])
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -526,16 +532,7 @@ def test_failure_on_the_worker_is_raised_from_the_backward(offload_root, monkeyp
     monkeypatch.setattr(eng, "write_file", real)
     assert threads and not any(n == "MainThread" for n in threads)  # written from the I/O pool, for the worker
     assert not sib_opt._bw.work and sib_opt._queue.error is None and sib_opt._queue.held == 0
-    sib_opt.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(params_of(sib), before))
-    assert_same_state(sib_opt.state_dict(), before_sd)
-    for model, opt in ((sib, sib_opt), (ref, ref_opt)):
-        backward(model, xs[1])
-        opt.step()
-        opt.zero_grad()
-    assert sib_opt.last_step_counts == {"in_backward": 2, "in_step": 0}
-    assert_same(sib, ref)
-    assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
+    _intact_then_resumes(sib, sib_opt, ref, ref_opt, before, before_sd, xs[1])
 
 
 # -- end to end: a compiled MLP with a tied hidden weight against Inductor --------------------------
