@@ -254,15 +254,17 @@ def test_failure_midway_through_backward_leaves_the_previous_step(offload_root, 
     _intact_then_resumes(sib, sib_opt, ref, ref_opt, before, before_sd, xs[2])
 
 
-class _TiledLinear(torch.autograd.Function):
-    """x @ w.T whose weight gradient is reduced in row tiles (as a tiled graph's reduce_grad_rows)."""
+class _GatheredLinear(torch.autograd.Function):
+    """x @ w.T with the managed weight gathered whole. The backward reduces the weight's gradient in
+    row `tiles` (as a tiled graph's reduce_grad_rows; None: whole) and, with `reuse`, then writes
+    over that buffer, as Inductor reuses a buffer once its last user (the reduce) has returned."""
 
     @staticmethod
-    def forward(ctx, x, p, tiles):
+    def forward(ctx, x, p, tiles, reuse):
         with torch._C.DisableTorchFunctionSubclass():
             w = STORE.full(STORE.entry(p))
         ctx.save_for_backward(x, w)
-        ctx.p, ctx.tiles = p, tiles
+        ctx.p, ctx.tiles, ctx.reuse = p, tiles, reuse
         return x @ w.t()
 
     @staticmethod
@@ -270,23 +272,27 @@ class _TiledLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         gw = g.t() @ x
         with torch._C.DisableTorchFunctionSubclass():
-            for lo, hi in ctx.tiles:
+            if ctx.tiles is None:
+                STORE.reduce_grad(ctx.p, gw)
+            for lo, hi in ctx.tiles or ():
                 STORE.reduce_grad(ctx.p, gw[lo:hi], rows=(lo, hi))
-        return g @ w, None, None
+        if ctx.reuse:
+            gw.fill_(1e6)  # the buffer's next use
+        return g @ w, None, None, None
 
 
 class _Plain(torch.autograd.Function):
     """The same arithmetic on a plain tensor: gw whole into p.grad."""
 
     @staticmethod
-    def forward(ctx, x, p, tiles):
+    def forward(ctx, x, p, tiles, reuse):
         ctx.save_for_backward(x, p)
         return x @ p.t()
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        return g @ w, g.t() @ x, None
+        return g @ w, g.t() @ x, None, None
 
 
 def test_tiled_gradient_is_stepped_at_its_last_tile(offload_root):
@@ -296,11 +302,11 @@ def test_tiled_gradient_is_stepped_at_its_last_tile(offload_root):
     tiles = ((0, 30), (30, 64), (64, 100))
 
     def loss(model, fn, x):
-        h = fn.apply(x, model.a.weight, tiles) + model.a.bias
+        h = fn.apply(x, model.a.weight, tiles, False) + model.a.bias
         return model.head(F.gelu(model.b(F.gelu(h)))).pow(2).mean()
 
     for i, x in enumerate(batches(4)):
-        loss(sib, _TiledLinear, x).backward()
+        loss(sib, _GatheredLinear, x).backward()
         assert STORE.entry(sib.a.weight).reduces == 3
         sib_opt.step()
         sib_opt.zero_grad()
@@ -462,40 +468,18 @@ def test_queue_of_steps_is_bounded_and_the_backward_waits_for_room(offload_root)
     assert_same_state(sib_opt.state_dict(), ref_opt.state_dict())
 
 
-class _ReduceThenReuse(torch.autograd.Function):
-    """x @ w.T whose backward reduces the weight's gradient, then writes over that buffer, as
-    Inductor reuses a buffer once its last user (the reduce) has returned."""
-
-    @staticmethod
-    def forward(ctx, x, p):
-        with torch._C.DisableTorchFunctionSubclass():
-            w = STORE.full(STORE.entry(p))
-        ctx.save_for_backward(x, w)
-        ctx.p = p
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gw = g.t() @ x
-        with torch._C.DisableTorchFunctionSubclass():
-            STORE.reduce_grad(ctx.p, gw)
-        gw.fill_(1e6)  # the buffer's next use
-        return g @ w, None
-
-
 def test_gradient_handed_to_the_worker_is_its_own(offload_root):
     """The gradient a reduce hands over aliases the graph's buffer (one rank: a view of it); the
     queued step must not see what the graph writes there afterwards."""
     (ref, ref_opt), (_, _), (sib, sib_opt) = trio(offload_root)
 
     def loss(model, fn, x):
-        h = fn.apply(x, model.a.weight) + model.a.bias
+        h = fn.apply(x, model.a.weight, None, True) + model.a.bias
         return model.head(F.gelu(model.b(F.gelu(h)))).pow(2).mean()
 
     zoptim.FAULT_HOOK = _slow_worker(0.02)  # the step reads the gradient well after the reduce returned
     for i, x in enumerate(batches(3)):
-        loss(sib, _ReduceThenReuse, x).backward()
+        loss(sib, _GatheredLinear, x).backward()
         sib_opt.step()
         sib_opt.zero_grad()
         h = x @ ref.a.weight.t() + ref.a.bias
