@@ -420,6 +420,80 @@ def test_a_write_failing_half_way_through_settling_a_clip_keeps_the_gradient_and
     zinf_compile.reset()
 
 
+
+def test_the_moved_ranges_of_a_gradient_toggle_like_a_mask():
+    """`_pieces` and `_toggle` (which ranges of a gradient are in its spare file) against a
+    boolean mask, over random toggles."""
+    from zinf_compile.runtime.params import _pieces, _toggle
+
+    gen = torch.Generator().manual_seed(3)
+    n = 64
+    moved, mask = [], torch.zeros(n, dtype=torch.bool)
+    for _ in range(400):
+        lo, hi = sorted(torch.randint(0, n + 1, (2,), generator=gen).tolist())
+        if lo == hi:
+            continue
+        pieces = _pieces(moved, lo, hi)
+        assert pieces[0][0] == lo and pieces[-1][1] == hi
+        assert all(a < b and b == c for (a, b, _), (c, _, _) in zip(pieces, pieces[1:]))
+        assert all(bool(mask[a:b].all()) if inside else not bool(mask[a:b].any()) for a, b, inside in pieces)
+        moved = _toggle(moved, lo, hi)
+        mask[lo:hi] = ~mask[lo:hi]
+        assert all(a < b < c for (a, b), (c, _) in zip(moved, moved[1:]))  # sorted, disjoint, merged
+        again = torch.zeros(n, dtype=torch.bool)
+        for a, b in moved:
+            again[a:b] = True
+        assert torch.equal(again, mask)
+
+
+def test_any_sequence_of_gradient_writes_failing_half_way_keeps_the_gradient(tmp_path, monkeypatch):
+    """A random sequence of what reaches an NVMe gradient -- row tiles (some overlapping, some
+    repeated), whole gradients, clips left pending, zero_grad -- each first failing after a random
+    part of its bytes, then retried. After each failure the gradient reads as before it; after
+    each retry it is torch's arithmetic on whole tensors, bit for bit."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    gen = torch.Generator().manual_seed(11)
+    tiles = TILES + [(0, 256), (100, 200), (40, 150), (255, 256)]
+    expect, failures = None, 0
+    for i in range(40):
+        op = ["tile", "tile", "tile", "whole", "clip", "zero"][int(torch.randint(0, 6, (), generator=gen))]
+        if op == "zero":
+            STORE.zero_grad([e])
+            expect = None
+            continue
+        if op == "clip":
+            coef = torch.rand((), generator=gen) + 0.25
+            e.scale_grad(coef)
+            if expect is not None:
+                expect = expect.mul_(coef)
+            continue
+        g = torch.randn(w.shape, generator=gen)
+        rows = tiles[int(torch.randint(0, len(tiles), (), generator=gen))] if op == "tile" else None
+        part = g if rows is None else g[rows[0]:rows[1]]
+        before = grad_so_far(e)
+        with monkeypatch.context() as m:
+            fail = FailingWrites(e.engine.swap.path, int(torch.randint(0, part.numel() * 4, (), generator=gen)), m)
+            try:
+                STORE.reduce_grad(w, part, rows=rows)
+            except ZinfError as err:
+                assert "nothing was added" in str(err), str(err)
+                failures += 1
+        if fail.failed:
+            assert same_grad(grad_so_far(e), before), (i, op, rows)
+            STORE.reduce_grad(w, part, rows=rows)
+        add = torch.zeros(w.shape) if rows is not None else g.clone()
+        if rows is not None:
+            add[rows[0]:rows[1]] = part
+        expect = add if expect is None else expect.add_(add)
+        assert torch.equal(grad_so_far(e)[1], expect.reshape(-1)), (i, op, rows)  # zeros where no tile wrote
+    assert failures >= 15
+    if expect is not None:
+        assert torch.equal(e.read_grad(), expect.reshape(-1))
+    zinf_compile.reset()
+
+
 def test_full_disk_during_a_save_keeps_the_old_checkpoint(small_fs, tmp_path):
     fs = small_fs(2 << 20)
     ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
