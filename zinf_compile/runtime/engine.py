@@ -420,7 +420,12 @@ class OffloadEngine:
                 sums[k] = (hi - start, zlib.crc32(new))
                 return
             length = max(old_len, hi - start)
-            block = self._read_block(fd, start, length)
+            try:
+                block = self._read_block(fd, start, length)
+            except OSError:
+                if old is not None:
+                    sums[k] = old  # nothing was written: the block is as recorded
+                raise
             if old is not None and zlib.crc32(block[:old_len]) != old[1]:
                 raise SwapCorruptionError(self._corrupt(fd, start, start + old_len))
             block[lo - start:hi - start] = new
