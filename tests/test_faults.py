@@ -26,7 +26,7 @@ import zinf_compile
 from zinf_compile.checkpoint import CURRENT, full_state_dict, load_checkpoint, save_checkpoint
 from zinf_compile.errors import ZinfError
 from zinf_compile.optim import optimizer
-from zinf_compile.runtime.state import STORE
+from zinf_compile.runtime.state import STORE, register_engine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
 from fault_worker import HP, build, give, give_grad, grads, manage  # noqa: E402
@@ -419,6 +419,71 @@ def test_a_write_failing_half_way_through_settling_a_clip_keeps_the_gradient_and
     assert_like_ref(model, opt, ref, ref_opt)
     zinf_compile.reset()
 
+
+
+
+def test_a_step_failing_while_it_completes_a_tiled_gradient_applies_nothing(tmp_path, monkeypatch):
+    """Two of the three tiles of 0.weight's gradient came (the middle rows got none: zeros). The
+    step first writes those zeros into the gradient file, in the checksum block the two tiles
+    share; that write fails half way: the step applies nothing and says so, the tiles read back
+    unchanged, and the retried step is torch's AdamW on the gradient with zero middle rows."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    g = torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
+    for lo, hi in (TILES[0], TILES[2]):
+        STORE.reduce_grad(w, g[lo:hi], rows=(lo, hi))
+    others = grads(1, model)[1:]
+    for p, q in zip(list(model.parameters())[1:], others):
+        give_grad(p, q)
+    before, snap = grad_so_far(e), snapshot(model, opt)
+    gap = (TILES[1][1] - TILES[1][0]) * 128 * 4
+    with monkeypatch.context() as m:
+        fail = FailingWrites(e.engine.swap.path, gap // 2, m)
+        with pytest.raises(ZinfError, match=r"(?i)gradient of parameter '0.weight'.*no space left on device.*"
+                                            r"nothing was applied"):
+            opt.step()
+    assert fail.failed
+    assert same_grad(grad_so_far(e), before)
+    assert_snapshot(model, opt, snap)
+    opt.step()
+    g[TILES[1][0]:TILES[1][1]] = 0
+    step_ref(ref, ref_opt, [g] + others)
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+
+def test_a_first_gradient_failing_while_an_in_place_shard_moves_to_its_own_file(tmp_path, monkeypatch):
+    """A shard read in place from a file zinf does not own (a checkpoint) moves to a swap file of
+    its own before its first gradient. That copy fails half way: the shard still reads from the
+    checkpoint, the half-written file is handed back (no file kept per failed try), the checkpoint
+    is untouched; the retry moves it and adds the gradient."""
+    value = torch.randn(256, 128, generator=torch.Generator().manual_seed(4))
+    source = str(tmp_path / "weights.bin")
+    with open(source, "wb") as f:
+        f.write(b"\0" * 64 + value.numpy().tobytes())
+    raw = open(source, "rb").read()
+    key = next(_keys)
+    register_engine(key, "nvme", str(tmp_path / "swap"), 2, False)
+    w = torch.nn.Parameter(torch.empty(256, 128))
+    w.untyped_storage().resize_(0)
+    e = STORE.manage_in_place(STORE.identify(w, "w"), key, source, 64, torch.float32)
+    g = torch.randn(256, 128, generator=torch.Generator().manual_seed(6))
+    in_use = e.engine.swap.files_in_use() if e.engine._swap is not None else 0
+    for _ in range(2):
+        with monkeypatch.context() as m:
+            fail = FailingWrites(str(tmp_path / "swap"), e.shard_nbytes // 2, m)
+            with pytest.raises(ZinfError, match=r"(?i)gradient of parameter 'w' failed.*shard of parameter 'w'.*"
+                                                r"no space left on device.*nothing was added"):
+                STORE.reduce_grad(w, g)
+        assert fail.failed and e.source == source and not e.has_grad
+        assert e.engine.swap.files_in_use() == in_use
+        assert torch.equal(STORE.full(e), value)
+    STORE.reduce_grad(w, g)
+    assert e.source is None and torch.equal(STORE.full(e), value) and torch.equal(e.read_grad(), g.reshape(-1))
+    assert open(source, "rb").read() == raw
+    zinf_compile.reset()
 
 
 def test_the_moved_ranges_of_a_gradient_toggle_like_a_mask():

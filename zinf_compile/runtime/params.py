@@ -242,10 +242,15 @@ class Entry:
         fd = self._acquire("shard")
         buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
         size = self.shard_dtype.itemsize
-        for start in range(0, self.shard_numel, chunk):
-            part = buf[:min(chunk, self.shard_numel - start)]
-            self.engine.read_file(self.fd, part, self.base + start * size)
-            self.engine.write_file(fd, part, start * size)
+        try:
+            for start in range(0, self.shard_numel, chunk):
+                part = buf[:min(chunk, self.shard_numel - start)]
+                self.engine.read_file(self.fd, part, self.base + start * size)
+                self.engine.write_file(fd, part, start * size)
+        except BaseException:  # the shard stays where it lies; the half-written file goes back
+            n = self.file_nos.pop()
+            self.engine.swap.release(n)
+            raise
         self.fd, self.base, self.source = fd, 0, None
 
     def read_grad(self) -> torch.Tensor | None:
