@@ -420,12 +420,36 @@ class OffloadEngine:
                 sums[k] = (hi - start, zlib.crc32(new))
                 return
             length = max(old_len, hi - start)
-            block = self._read_block(fd, start, length)
+            try:
+                block = self._read_block(fd, start, length)
+            except OSError:
+                if old is not None:
+                    sums[k] = old  # nothing was written: the block is as recorded
+                raise
             if old is not None and zlib.crc32(block[:old_len]) != old[1]:
                 raise SwapCorruptionError(self._corrupt(fd, start, start + old_len))
             block[lo - start:hi - start] = new
-            self._write_raw(fd, view, lo - base, hi - lo, base)
+            try:
+                self._write_raw(fd, view, lo - base, hi - lo, base)
+            except OSError:
+                if old is not None:
+                    self._resum_after_failure(fd, sums, k, block, old_len, lo - start, hi - start)
+                raise
             sums[k] = (length, zlib.crc32(block[:length]))
+
+    def _resum_after_failure(self, fd: int, sums: dict, k: int, block, length: int, lo: int, hi: int) -> None:
+        """A write of bytes [lo, hi) of block k failed: the block's other bytes are another record's
+        (a neighbouring tile of a gradient) and must stay readable. Sum the first `length` bytes
+        as they are now if those outside [lo, hi) are still the ones checked before the write
+        (`block`); the failed range holds no one's data (the caller did not record it), else the
+        block stays unsummed, which reads as "never completely written"."""
+        try:
+            now = self._read_block(fd, k * BLOCK_BYTES, length)
+        except OSError:
+            return
+        if (bytes(now[:min(lo, length)]) == bytes(block[:min(lo, length)])
+                and bytes(now[hi:length]) == bytes(block[hi:length])):
+            sums[k] = (length, zlib.crc32(now[:length]))
 
     def _read_block(self, fd: int, start: int, length: int):
         """Bytes [start, start + length) of the file (zeros past its end) in a fresh buffer."""
