@@ -87,7 +87,8 @@ def _borrowed_bytes(t: torch.Tensor):
     shard straight from it must not prevent that; `_byte_view` would). It holds no reference:
     for a transfer that ends before the caller, who holds `t`, returns."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ZinfError(f"zinf: internal: file I/O needs a contiguous CPU tensor, got {t.device} {tuple(t.stride())}")
+        raise ZinfError(f"zinf: internal: file I/O needs a contiguous CPU tensor, got a {t.device} tensor of "
+                        f"strides {tuple(t.stride())}")
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
@@ -563,6 +564,8 @@ class OffloadEngine:
             raise ZinfError("zinf: this process was forked from the one whose swap files hold the model's shards "
                             "and states; a forked child may read them (inference) but not write them (training, "
                             "an optimizer step): start workers with the 'spawn' method, or train in the parent")
+        if not t.is_contiguous():  # its bytes in order, as a numpy view of it wrote them
+            t = t.contiguous()
         self._run_chunks(self._write_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_written"] += t.numel() * t.element_size()
 
