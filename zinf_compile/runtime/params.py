@@ -156,8 +156,7 @@ class Entry:
 
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's part of a flat whole-parameter tensor (a parameter, a gradient, a state),
-        zero-padded to shard_numel, always a fresh tensor: file writes go through a numpy view,
-        which makes the viewed storage unresizable, so never the parameter's own."""
+        zero-padded to shard_numel, always a fresh tensor (the CPU tier may keep it)."""
         lo, hi = self.shard_range()
         out = torch.zeros(self.shard_numel, dtype=flat.dtype, device=flat.device)
         n = max(0, min(hi, self.numel) - lo)
@@ -233,6 +232,27 @@ class Entry:
             if self.fd is None or self.source is not None:
                 self.fd, self.base, self.source = self._acquire("shard"), 0, None  # a whole write: nothing to copy
             self.engine.write_file(self.fd, flat.contiguous())
+
+    def write_whole(self, value: torch.Tensor) -> None:
+        """Write the shard from the whole parameter's value (any shape). On one rank the shard is
+        the value itself: its bytes go to the file straight from its storage (the engine borrows
+        them, the storage stays resizable: a parameter's own is freed after), no padded copy, so
+        materializing a parameter peaks at about its size, not twice it. A value in another dtype
+        than the shard's (fp32 masters of a bf16 model) is converted first, as write_shard does."""
+        flat = value.detach().reshape(-1)
+        self.write_shard(flat if self.world == 1 else self.slice_of(flat))
+
+    def read_whole_into(self, t: torch.Tensor) -> bool:
+        """The whole parameter's value read straight into `t` (contiguous, on the CPU, the shard's
+        dtype; its storage stays resizable), where this rank's shard is the whole parameter (one
+        rank): no second full-size buffer. False elsewhere (the caller copies from STORE.full)."""
+        if self.world != 1 or t.device.type != "cpu" or t.dtype != self.shard_dtype or not t.is_contiguous():
+            return False
+        if self.tier == "cpu":
+            t.view(-1).copy_(self.shard)
+        else:
+            self.engine.read_file(self.fd, t.view(-1), self.base)
+        return True
 
     def _own_file(self, chunk: int = 1 << 22) -> None:
         """An in-place shard (`source`) moves to a swap file of its own, chunk by chunk, before
@@ -557,11 +577,7 @@ class ParamStore:
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
                       master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
             try:
-                if value is None:
-                    e.write_shard(e.slice_of(param.detach().reshape(-1)))
-                else:
-                    flat = value.detach().reshape(-1)
-                    e.write_shard(flat if e.world == 1 else e.slice_of(flat))
+                e.write_whole(param if value is None else value)
             except BaseException:
                 e.close_files()
                 raise
