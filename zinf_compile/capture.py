@@ -314,6 +314,7 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
     parameters (of PERSIST_BYTES or more) that fit, "offload" all of them, "resident" none."""
     from zinf_compile.config import tier_frees_device
     from zinf_compile.passes.params import param_meta
+    from zinf_compile.analysis.facts import paused_gc
     from zinf_compile.pipeline import Request, compile_inference, compile_joint
     from zinf_compile.planner import PERSIST_BYTES, DeviceModel
 
@@ -337,7 +338,9 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
         done["c"] = compile_inference(gm, request(cparams))
         return gm
 
-    c = trace(factory, kwargs, inference=inference, on_joint=on_joint, on_inference=on_inference)
+    # the cyclic GC paused for the whole trace: tracing a 64-layer GPT makes millions of objects, and
+    # each full collection walks them all (CPU time 16.3 -> 12.7 s, peak RSS 499 -> 538 MB)
+    c = paused_gc(trace)(factory, kwargs, inference=inference, on_joint=on_joint, on_inference=on_inference)
     compiled = done["c"]
     managed = tuple(p for p in c.params if p.index in compiled.managed)
     return OfflinePlan(compiled.plan, compiled.graphs, managed, c.params, dict(compiled.seconds), c.num_fwd_outputs)

@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from zinf_compile import records
 from zinf_compile.analysis import analyze, graph_specs
+from zinf_compile.analysis.facts import paused_gc
 from zinf_compile.analysis.params import param_facts
 from zinf_compile.cost import DeviceProfile, step_cost
 from zinf_compile.ir import ParamMeta
@@ -119,6 +120,7 @@ class _Driver:
                        step_cost=step_cost(self.req.profile))
 
 
+@paused_gc  # the passes and the partitioner make many small objects; a collection walks every graph node
 def compile_joint(joint: fx.GraphModule, joint_inputs, kwargs: dict, partition_fn: Callable, req: Request) -> Compiled:
     """AOT's joint graph -> planned forward and backward graphs."""
     from zinf_compile.passes import DropReducedOutputs, InsertGathers, ReduceGrads, SinkGathers, partition_pass
@@ -133,6 +135,7 @@ def compile_joint(joint: fx.GraphModule, joint_inputs, kwargs: dict, partition_f
     return _plan_and_apply(d, graphs)
 
 
+@paused_gc
 def compile_inference(gm: fx.GraphModule, req: Request) -> Compiled:
     """An inference graph, planned in place."""
     from zinf_compile.passes import InsertGathers, SinkGathers
