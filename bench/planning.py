@@ -2,6 +2,7 @@
 
     python -m bench planning [--layers 4,8,16,32,64,128,256,352] [--inductor-layers 4,8]
                              [--hidden 256] [--seq 128] [--batch 8] [--budget-share 0.6]
+                             [--manage-share 0.45] [--baseline-src DIR]
 
 For each depth a fresh process builds examples/gpt.py's GPT under FakeTensorMode, captures forward
 and backward (what `zinf plan` does: nothing is allocated) and times, on the captured graphs:
@@ -13,6 +14,14 @@ and backward (what `zinf plan` does: nothing is allocated) and times, on the cap
                      its verification), without the capture it runs inside
     end to end       the same plan_offline call's wall time: what `zinf plan` takes, capture included
                      (comparable with an older zinf's capture + its planning)
+    managed, e2e     the same under `manage-share` x the unplanned peak: below what every parameter
+                     resident allows, so the planner must shard parameters (0 skips it)
+
+`--baseline-src DIR` also runs, alternately at each depth, the same measurements against the zinf
+in DIR (a checkout of an older commit: `git worktree add /tmp/zinf-963bca3 963bca3`): its package
+is imported instead of this one's. Before plan_offline existed (963bca3), its end to end is its
+`trace(keep_joint=True)` plus `plan_captured` (the trial loop over parameter choices), which is
+what its `zinf plan` ran.
 
 For the smallest depths (`--inductor-layers`) another fresh process compiles the same model, for
 real, with Inductor (torch.compile, forward+backward of one step) and times that: what planning
@@ -58,13 +67,20 @@ def worker(args) -> dict:
         first = time.perf_counter() - t0
         return dict(layers=args.n, inductor_s=first - eager, eager_step_s=eager)
 
-    from zinf_compile.analysis import analyze, graph_specs
-    from zinf_compile.capture import plan_offline, trace
+    if args.zinf_src:
+        sys.path.insert(0, os.path.abspath(args.zinf_src))  # before any zinf_compile import
+    import zinf_compile.capture as capture_mod
     from zinf_compile.cost import load_profile, step_cost
     from zinf_compile.planner import make_plan
 
+    try:
+        from zinf_compile.analysis import analyze, graph_specs
+    except ImportError:  # 963bca3
+        from zinf_compile.analysis.facts import analyze
+        from zinf_compile.pipeline import graph_specs
+    old = not hasattr(capture_mod, "plan_offline")
     t0 = time.perf_counter()
-    c = trace(build, kwargs)
+    c = capture_mod.trace(build, kwargs, keep_joint=True) if old else capture_mod.trace(build, kwargs)
     capture = time.perf_counter() - t0
     nodes = sum(len(g.graph.nodes) for g in c.graphs.values())
     profile = load_profile("cpu")
@@ -75,21 +91,46 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     plan = make_plan(facts, budget, profile, "nvme")
     planned = time.perf_counter() - t0
+
+    def end_to_end(b: int):
+        """(plan, wall seconds of capture + planning, seconds of the planning alone) of `zinf plan`
+        with params=auto under budget b, or an error's first line."""
+        t0 = time.perf_counter()
+        try:
+            if old:  # its zinf plan: the capture (above) plus its trial loop
+                full = capture_mod.plan_captured(c, b, profile, "nvme", params="auto")
+                planning = time.perf_counter() - t0
+                return full.plan, capture + planning, planning
+            full = capture_mod.plan_offline(build, kwargs, b, profile, "nvme", params="auto")
+        except Exception as e:  # noqa: BLE001 - an impossible budget is a result here
+            return f"{type(e).__name__}: {str(e).splitlines()[0]}", None, None
+        return full.plan, time.perf_counter() - t0, sum(full.seconds.values())
+
     # with parameters: the whole pipeline (gathers for every candidate, one partition, the planner's
     # decisions, every pass applied and verified), timed without the capture it runs inside
-    t0 = time.perf_counter()
-    full = plan_offline(build, kwargs, budget, profile, "nvme", params="auto")
-    end_to_end = time.perf_counter() - t0
-    with_params = sum(full.seconds.values())
-    return dict(layers=args.n, nodes=nodes, steps=len(facts.steps), buffers=len(facts.buffers), gaps=len(facts.gaps),
-                capture_s=capture, analyse_s=analysed, plan_s=planned, plan_total_s=analysed + planned,
-                with_params_s=with_params, end_to_end_s=end_to_end, budget=budget, peak_before=plan.peak_before, peak_after=plan.peak_after,
-                offloads=len(plan.moves()) // 3, managed=len(full.plan.params), decisions=[n for n in full.plan.notes if n.startswith(('parameters', 'tiles'))])
+    full, e2e, with_params = end_to_end(budget)
+    if isinstance(full, str):
+        raise RuntimeError(full)
+    row = dict(layers=args.n, nodes=nodes, steps=len(facts.steps), buffers=len(facts.buffers), gaps=len(facts.gaps),
+               capture_s=capture, analyse_s=analysed, plan_s=planned, plan_total_s=analysed + planned,
+               with_params_s=with_params, end_to_end_s=e2e, budget=budget, peak_before=plan.peak_before,
+               peak_after=plan.peak_after, offloads=len(plan.moves()) // 3, managed=len(full.params),
+               decisions=[n for n in full.notes if n.startswith(("parameters", "tiles"))])
+    if args.manage_share:
+        low = int(facts.peak * args.manage_share)
+        mplan, e2e_low, _ = end_to_end(low)
+        row.update(manage_budget=low, managed_end_to_end_s=e2e_low,
+                   managed_low=len(mplan.params) if not isinstance(mplan, str) else None,
+                   managed_error=mplan if isinstance(mplan, str) else None)
+    return row
 
 
-def _run(kind: str, n: int, args) -> dict:
+def _run(kind: str, n: int, args, src: str | None = None) -> dict:
+    extra = ["--zinf-src", src] if src else []
     return _harness.run("bench.planning", kind, ["--n", str(n), "--budget-share", str(args.budget_share),
-                                                 *_harness.as_argv(args, DEFAULTS)], args.timeout, 2)[0]
+                                                 "--manage-share", str(args.manage_share), *extra,
+                                                 *_harness.as_argv(args, DEFAULTS)], args.timeout, 2,
+                        worker="zinf" if kind == "baseline" else kind)[0]
 
 
 def _slope(xs, ys) -> float:
@@ -101,13 +142,17 @@ def _slope(xs, ys) -> float:
 
 
 def parent(args) -> int:
-    rows = []
+    rows, base = [], []
     for n in [int(x) for x in args.layers.split(",") if x]:
         print(f"layers {n} ...", flush=True)
+        if args.baseline_src:  # alternately, the baseline first
+            base.append(_run("baseline", n, args, args.baseline_src))
         rows.append(_run("zinf", n, args))
-        r = rows[-1]
-        print(f"  {r['nodes']} nodes: capture {r['capture_s']:.1f} s, analyse+plan {r['plan_total_s']:.2f} s, "
-              f"with params {r['with_params_s']:.2f} s", flush=True)
+        for r in [rows[-1], *base[-1:]]:
+            print(f"  {r['contender']}: {r['nodes']} nodes: capture {r['capture_s']:.1f} s, analyse+plan "
+                  f"{r['plan_total_s']:.2f} s, end to end {r['end_to_end_s']:.1f} s"
+                  + (f", managed {r['managed_end_to_end_s'] or float('nan'):.1f} s" if args.manage_share else ""),
+                  flush=True)
     inductor = []
     for n in [int(x) for x in args.inductor_layers.split(",") if x]:
         print(f"inductor, layers {n} ...", flush=True)
@@ -127,13 +172,20 @@ def parent(args) -> int:
     )
     checks = {"under_1s_per_10k_nodes": summary["per_10k_nodes_s"] < 1.0,
               "no_worse_than_nlogn": summary["slope_plan"] is None or summary["slope_plan"] <= 1.25}
+    if base:
+        checks["end_to_end_no_worse_than_baseline"] = all(
+            r["end_to_end_s"] <= b["end_to_end_s"] for r, b in zip(rows, base))
+        checks["analyse_plan_no_worse_than_baseline"] = all(
+            r["plan_total_s"] <= b["plan_total_s"] for r, b in zip(rows, base))
     record = dict(date=time.strftime("%Y-%m-%d"), machine=_machine(), args=vars(args), rows=rows,
-                  inductor=inductor, summary=summary, checks=checks)
+                  baseline=base, inductor=inductor, summary=summary, checks=checks)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "planning.json"), "w") as f:
         json.dump(record, f, indent=1)
     _draw(rows, inductor, os.path.join(args.out, "planning.png"))
     print(_table(rows, inductor, summary, checks))
+    if base:
+        print(_side_by_side(rows, base, args.baseline_src))
     return 0 if all(checks.values()) else 1
 
 
@@ -159,6 +211,20 @@ def _table(rows, inductor, summary, checks) -> str:
                  f"{summary['slope_plan']:.2f} (with parameters {summary['slope_with_params']:.2f})"
                  if summary["slope_plan"] is not None else "")
     lines.append("checks: " + ", ".join(f"{k}={v}" for k, v in checks.items()))
+    return "\n".join(lines)
+
+
+def _side_by_side(rows, base, src: str) -> str:
+    def e2e(r, key):
+        return f"{r[key]:.1f}" if r.get(key) is not None else (r.get("managed_error") or "-")[:40]
+
+    lines = [f"side by side with {src}:",
+             f"{'layers':>6} {'nodes':>7} {'analyse+plan base':>17} {'now':>6} {'end to end base':>15} {'now':>6} "
+             f"{'managed e2e base':>16} {'now':>6}"]
+    for r, b in zip(rows, base):
+        lines.append(f"{r['layers']:>6} {r['nodes']:>7} {b['plan_total_s']:>17.2f} {r['plan_total_s']:>6.2f} "
+                     f"{b['end_to_end_s']:>15.1f} {r['end_to_end_s']:>6.1f} {e2e(b, 'managed_end_to_end_s'):>16} "
+                     f"{e2e(r, 'managed_end_to_end_s'):>6}")
     return "\n".join(lines)
 
 
@@ -196,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="4,8,16,32,64,128,256,352")
     ap.add_argument("--inductor-layers", default="4,8")
     ap.add_argument("--budget-share", type=float, default=0.6)
+    ap.add_argument("--manage-share", type=float, default=0.45,
+                    help="a second end to end run under this share of the unplanned peak (0: none)")
+    ap.add_argument("--baseline-src", help="a checkout of another zinf to measure side by side")
+    ap.add_argument("--zinf-src", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)

@@ -366,7 +366,6 @@ class Partition(Pass):
 
     def apply(self, graphs: Graphs, ctx: PassContext) -> Any:
         joint = graphs.pop("joint")
-        joint.recompile()  # the partitioner reads the module as well as its graph
         fw, bw = self.fn(joint, self.joint_inputs, **dict(self.kwargs))
         graphs["forward"], graphs["backward"] = fw, bw
         return self.report((), saved=len(list(output_node(fw.graph).args[0])) - ctx.num_fwd_outputs)

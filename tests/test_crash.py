@@ -41,6 +41,41 @@ def test_sigterm_removes_the_swap_folder(tmp_path):
     assert _folders(tmp_path) == []
 
 
+IN_FINALIZER = textwrap.dedent("""
+    import os, signal, sys, time, weakref, torch
+    from zinf_compile.runtime.state import register_engine
+    eng = register_engine(77, "nvme", sys.argv[1], 1, False)
+    h = eng.offload(torch.randn(1 << 16), [0])
+
+    def terminate():
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler right here, in the finalizer
+        sum(range(1000))
+
+    class Dying:
+        def __del__(self):
+            terminate()
+
+    if sys.argv[2] == "__del__":
+        Dying()
+    else:
+        weakref.finalize(Dying.__new__(Dying), terminate)  # dies at once: its finalizer runs
+    time.sleep(5)
+    print("still running", flush=True)
+""")
+
+
+@pytest.mark.parametrize("finalizer", ["__del__", "weakref.finalize"])
+def test_sigterm_inside_a_finalizer_still_exits_and_removes_the_swap_folder(tmp_path, finalizer):
+    """A SIGTERM handled while a finalizer runs: Python ignores the exception a finalizer raises,
+    so the handler's exit would be lost and the program would go on. It is handled again once the
+    finalizer has returned: the process exits with 128 + SIGTERM, its swap folder gone."""
+    p = subprocess.run([sys.executable, "-c", IN_FINALIZER, str(tmp_path), finalizer], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "still running" not in p.stdout and "Exception ignored" not in p.stderr, p.stderr[-2000:]
+    assert _folders(tmp_path) == []
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULT_WORKER = os.path.join(ROOT, "tests", "workers", "fault_worker.py")
 

@@ -173,6 +173,40 @@ def test_direct_reads_and_writes_at_any_offset(tmp_path, monkeypatch):
         e.close()
 
 
+def test_a_direct_engine_reads_a_buffered_file_in_place(tmp_path, monkeypatch):
+    """An O_DIRECT engine reading a file it did not open so (a safetensors checkpoint read in place,
+    its tensors 8-byte aligned): plain reads straight into the tensor, at any offset and address,
+    never through the page-aligned bounce buffer (a copy of every byte for nothing); what the
+    engine writes, it writes direct. And the tensor read into keeps a resizable storage."""
+    e = eng_mod.OffloadEngine(424255, "nvme", str(tmp_path / "swap"), 4, "auto")
+    try:
+        if not e.choose_direct(True):
+            pytest.fail(f"{tmp_path} refuses O_DIRECT")
+        data = torch.randn(3 * (eng_mod.CHUNK_BYTES // 4) // 2 + 5)
+        path = tmp_path / "ckpt.bin"
+        path.write_bytes(b"h" * 1248 + data.numpy().tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            bounced = []
+            real = eng_mod._aligned
+            monkeypatch.setattr(eng_mod, "_aligned", lambda n: bounced.append(n) or real(n))
+            got = torch.empty(data.numel() + 1)[1:]  # memory off the page, too
+            e.read_file(fd, got, offset=1248)
+            assert torch.equal(got, data) and not bounced
+            assert got.untyped_storage().resizable()
+            n, sfd = e.swap.acquire("probe")
+            e.write_file(sfd, got)
+            assert _is_direct(sfd) and bounced  # unaligned memory into an O_DIRECT file: bounced
+            back = e.host_empty(data.numel(), torch.float32)
+            e.read_file(sfd, back)
+            assert torch.equal(back, data)
+            e.swap.release(n)
+        finally:
+            os.close(fd)
+    finally:
+        e.close()
+
+
 def test_calibrate_measures_buffered_and_direct_reads(tmp_path):
     from zinf_compile.calibrate import disk_bandwidths
 

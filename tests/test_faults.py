@@ -26,10 +26,10 @@ import zinf_compile
 from zinf_compile.checkpoint import CURRENT, full_state_dict, load_checkpoint, save_checkpoint
 from zinf_compile.errors import ZinfError
 from zinf_compile.optim import optimizer
-from zinf_compile.runtime.state import STORE
+from zinf_compile.runtime.state import STORE, register_engine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from fault_worker import HP, build, give, grads, manage  # noqa: E402
+from fault_worker import HP, build, give, give_grad, grads, manage  # noqa: E402
 from test_optim import assert_same_optim_state  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "fault_worker.py")
@@ -264,6 +264,299 @@ def test_full_disk_while_accumulating_a_gradient_keeps_the_previous_sum(small_fs
     STORE.reduce_grad(w, g1)
     assert torch.equal(e.read_grad(), (g1 + g2 + g1).reshape(-1))
     fs.unfill()
+
+
+
+# -- a write failing half way through a tiled gradient or a pending clip's settling ---------------
+class FailingWrites:
+    """Writes to files under `path` fail once `after` bytes went through: the write that crosses
+    the mark stops short there (as a disk filling up in the middle of a write does) and the next
+    raises OSError `err`. Monkeypatches `os.pwrite`, the call zinf's swap files write through."""
+
+    def __init__(self, path: str, after: int, monkeypatch, err: int = errno.ENOSPC) -> None:
+        self.path, self.left, self.err, self.failed = path, after, err, 0
+        real = os.pwrite
+
+        def pwrite(fd, data, offset):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                target = ""
+            if not target.startswith(self.path + os.sep):
+                return real(fd, data, offset)
+            n = memoryview(data).nbytes
+            if self.left <= 0:
+                self.failed += 1
+                raise OSError(self.err, os.strerror(self.err))
+            done = real(fd, memoryview(data).cast("B")[:min(n, self.left)], offset)
+            self.left -= done
+            return done
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+TILES = [(0, 40), (40, 150), (150, 256)]  # rows of 0.weight (256x128 fp32: 512 B a row, one 256 KiB
+# checksum block holds them all, so a tile's failed write shares its block with the other tiles)
+
+
+def grad_so_far(e) -> tuple[list, torch.Tensor] | None:
+    """The NVMe gradient as the store holds it, read without completing it (complete_grad would
+    change how the next tile is written): the tiles written so far and their values (zeros
+    elsewhere); None without a gradient."""
+    if not e.has_grad:
+        return None
+    parts = sorted(e.grad_parts) or [(0, e.shard_numel)]
+    out = torch.zeros(e.shard_numel)
+    for lo, hi in parts:
+        e.read_grad_into(out[lo:hi], lo)
+    return parts, out
+
+
+def same_grad(a, b) -> bool:
+    return (a is None) == (b is None) and (a is None or (a[0] == b[0] and torch.equal(a[1], b[1])))
+
+
+@pytest.mark.parametrize("at", [0.0, 0.3, 0.9])
+def test_a_write_failing_half_way_through_a_tiled_gradient_keeps_the_previous_sum(tmp_path, monkeypatch, at):
+    """Two micro-batches reduce 0.weight's gradient in three row tiles (the first writes each
+    tile where nothing of the gradient is yet, the second adds to it). Each tile's write fails
+    after `at` of its bytes: the error names the parameter, its rows and the file and says
+    nothing was added; the tiles written before read back unchanged (the failed write shared
+    their checksum block). Retried, each tile goes on; the sum, and the AdamW step taken on it,
+    are torch's bit for bit."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    gs = [torch.randn(w.shape, generator=g) for g in gens]
+    for g in gs:
+        for lo, hi in TILES:
+            before = grad_so_far(e)
+            with monkeypatch.context() as m:
+                fail = FailingWrites(e.engine.swap.path, int(at * (hi - lo) * 128 * 4), m)
+                with pytest.raises(ZinfError) as info:
+                    STORE.reduce_grad(w, g[lo:hi], rows=(lo, hi))
+            msg = str(info.value)
+            assert fail.failed and f"rows {lo}:{hi} of the gradient of parameter '0.weight'" in msg, msg
+            assert "no space left on device" in msg.lower() and e.engine.swap.path in msg, msg
+            assert "nothing was added" in msg and "gradient is as it was" in msg, msg
+            assert same_grad(grad_so_far(e), before)
+            STORE.reduce_grad(w, g[lo:hi], rows=(lo, hi))  # the retry
+    assert torch.equal(e.read_grad(), (gs[0] + gs[1]).reshape(-1))
+    others = grads(1, model)[1:]
+    for p, g in zip(list(model.parameters())[1:], others):
+        give_grad(p, g)
+    opt.step()
+    step_ref(ref, ref_opt, [gs[0] + gs[1]] + others)
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+def test_a_full_disk_while_adding_a_tile_keeps_the_previous_sum(small_fs):
+    """On a real small disk: the second micro-batch's tiles are summed beside the first's (a new
+    file's worth of space); with the disk full each fails and changes nothing; with space again
+    the sums are exact, and with both files there a full disk no longer stops them."""
+    fs = small_fs(4 << 20)
+    ref, model, opt, ref_opt = nvme_model(fs.path)
+    w = model[0].weight
+    e = STORE.entry(w)
+    g1, g2, g3 = (torch.randn(w.shape, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    for lo, hi in TILES:
+        STORE.reduce_grad(w, g1[lo:hi], rows=(lo, hi))
+    fs.fill(leave=0)
+    for lo, hi in TILES:
+        before = grad_so_far(e)
+        with pytest.raises(ZinfError, match=rf"(?i)rows {lo}:{hi} of the gradient of parameter '0.weight'.*"
+                                            r"no space left on device.*nothing was added"):
+            STORE.reduce_grad(w, g2[lo:hi], rows=(lo, hi))
+        assert same_grad(grad_so_far(e), before)
+    fs.unfill()
+    for lo, hi in TILES:
+        STORE.reduce_grad(w, g2[lo:hi], rows=(lo, hi))
+    fs.fill(leave=0)  # the spare gradient file is whole now: adding needs no new space
+    for lo, hi in TILES:
+        STORE.reduce_grad(w, g3[lo:hi], rows=(lo, hi))
+    assert torch.equal(e.read_grad(), (g1 + g2 + g3).reshape(-1))
+    fs.unfill()
+
+
+@pytest.mark.parametrize("rows", [None, (40, 150)], ids=["whole", "tile"])
+@pytest.mark.parametrize("at", [0.3, 0.7])
+def test_a_write_failing_half_way_through_settling_a_clip_keeps_the_gradient_and_its_scale(tmp_path, monkeypatch,
+                                                                                         rows, at):
+    """A clip leaves its coefficient pending on the NVMe gradients; a gradient added after it first
+    writes the scaled gradient (`_settle_grad_scales`). That write fails after `at` of it: the
+    gradient reads as before (scaled once, the coefficient still pending: the failure was in the
+    settling), the error says nothing was added; the retry's sum and the AdamW step taken on it
+    are torch's (clip_grad_norm_, then accumulate) bit for bit."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    give(model, grads(1, model))
+    for q, g in zip(ref.parameters(), grads(1, ref)):
+        q.grad = g.clone()
+    assert torch.equal(zinf_compile.clip_grad_norm_(model.parameters(), 1.0),
+                       torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    assert e.grad_scales
+    before = e.read_grad().clone()
+    g2 = torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
+    part, add = (g2, g2) if rows is None else (g2[rows[0]:rows[1]], torch.zeros_like(g2))
+    if rows is not None:
+        add[rows[0]:rows[1]] = part
+    with monkeypatch.context() as m:
+        FailingWrites(e.engine.swap.path, int(at * e.shard_nbytes), m)
+        with pytest.raises(ZinfError, match=r"(?i)gradient of parameter '0.weight' failed.*no space left on device"
+                                            r".*nothing was added"):
+            STORE.reduce_grad(w, part, rows=rows)
+    assert e.grad_scales, "the failure was not in the settling"
+    assert torch.equal(e.read_grad(), before)
+    STORE.reduce_grad(w, part, rows=rows)  # the retry
+    assert not e.grad_scales
+    ref[0].weight.grad += add
+    assert torch.equal(e.read_grad(), ref[0].weight.grad.reshape(-1))
+    opt.step()
+    ref_opt.step()
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+
+
+def test_a_step_failing_while_it_completes_a_tiled_gradient_applies_nothing(tmp_path, monkeypatch):
+    """Two of the three tiles of 0.weight's gradient came (the middle rows got none: zeros). The
+    step first writes those zeros into the gradient file, in the checksum block the two tiles
+    share; that write fails half way: the step applies nothing and says so, the tiles read back
+    unchanged, and the retried step is torch's AdamW on the gradient with zero middle rows."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    g = torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
+    for lo, hi in (TILES[0], TILES[2]):
+        STORE.reduce_grad(w, g[lo:hi], rows=(lo, hi))
+    others = grads(1, model)[1:]
+    for p, q in zip(list(model.parameters())[1:], others):
+        give_grad(p, q)
+    before, snap = grad_so_far(e), snapshot(model, opt)
+    gap = (TILES[1][1] - TILES[1][0]) * 128 * 4
+    with monkeypatch.context() as m:
+        fail = FailingWrites(e.engine.swap.path, gap // 2, m)
+        with pytest.raises(ZinfError, match=r"(?i)gradient of parameter '0.weight'.*no space left on device.*"
+                                            r"nothing was applied"):
+            opt.step()
+    assert fail.failed
+    assert same_grad(grad_so_far(e), before)
+    assert_snapshot(model, opt, snap)
+    opt.step()
+    g[TILES[1][0]:TILES[1][1]] = 0
+    step_ref(ref, ref_opt, [g] + others)
+    assert_like_ref(model, opt, ref, ref_opt)
+    zinf_compile.reset()
+
+
+
+def test_a_first_gradient_failing_while_an_in_place_shard_moves_to_its_own_file(tmp_path, monkeypatch):
+    """A shard read in place from a file zinf does not own (a checkpoint) moves to a swap file of
+    its own before its first gradient. That copy fails half way: the shard still reads from the
+    checkpoint, the half-written file is handed back (no file kept per failed try), the checkpoint
+    is untouched; the retry moves it and adds the gradient."""
+    value = torch.randn(256, 128, generator=torch.Generator().manual_seed(4))
+    source = str(tmp_path / "weights.bin")
+    with open(source, "wb") as f:
+        f.write(b"\0" * 64 + value.numpy().tobytes())
+    raw = open(source, "rb").read()
+    key = next(_keys)
+    register_engine(key, "nvme", str(tmp_path / "swap"), 2, False)
+    w = torch.nn.Parameter(torch.empty(256, 128))
+    w.untyped_storage().resize_(0)
+    e = STORE.manage_in_place(STORE.identify(w, "w"), key, source, 64, torch.float32)
+    g = torch.randn(256, 128, generator=torch.Generator().manual_seed(6))
+    in_use = e.engine.swap.files_in_use() if e.engine._swap is not None else 0
+    for _ in range(2):
+        with monkeypatch.context() as m:
+            fail = FailingWrites(str(tmp_path / "swap"), e.shard_nbytes // 2, m)
+            with pytest.raises(ZinfError, match=r"(?i)gradient of parameter 'w' failed.*shard of parameter 'w'.*"
+                                                r"no space left on device.*nothing was added"):
+                STORE.reduce_grad(w, g)
+        assert fail.failed and e.source == source and not e.has_grad
+        assert e.engine.swap.files_in_use() == in_use
+        assert torch.equal(STORE.full(e), value)
+    STORE.reduce_grad(w, g)
+    assert e.source is None and torch.equal(STORE.full(e), value) and torch.equal(e.read_grad(), g.reshape(-1))
+    assert open(source, "rb").read() == raw
+    zinf_compile.reset()
+
+
+def test_the_moved_ranges_of_a_gradient_toggle_like_a_mask():
+    """`_pieces` and `_toggle` (which ranges of a gradient are in its spare file) against a
+    boolean mask, over random toggles."""
+    from zinf_compile.runtime.params import _pieces, _toggle
+
+    gen = torch.Generator().manual_seed(3)
+    n = 64
+    moved, mask = [], torch.zeros(n, dtype=torch.bool)
+    for _ in range(400):
+        lo, hi = sorted(torch.randint(0, n + 1, (2,), generator=gen).tolist())
+        if lo == hi:
+            continue
+        pieces = _pieces(moved, lo, hi)
+        assert pieces[0][0] == lo and pieces[-1][1] == hi
+        assert all(a < b and b == c for (a, b, _), (c, _, _) in zip(pieces, pieces[1:]))
+        assert all(bool(mask[a:b].all()) if inside else not bool(mask[a:b].any()) for a, b, inside in pieces)
+        moved = _toggle(moved, lo, hi)
+        mask[lo:hi] = ~mask[lo:hi]
+        assert all(a < b < c for (a, b), (c, _) in zip(moved, moved[1:]))  # sorted, disjoint, merged
+        again = torch.zeros(n, dtype=torch.bool)
+        for a, b in moved:
+            again[a:b] = True
+        assert torch.equal(again, mask)
+
+
+def test_any_sequence_of_gradient_writes_failing_half_way_keeps_the_gradient(tmp_path, monkeypatch):
+    """A random sequence of what reaches an NVMe gradient -- row tiles (some overlapping, some
+    repeated), whole gradients, clips left pending, zero_grad -- each first failing after a random
+    part of its bytes, then retried. After each failure the gradient reads as before it; after
+    each retry it is torch's arithmetic on whole tensors, bit for bit."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "swap"))
+    w = model[0].weight
+    e = STORE.entry(w)
+    gen = torch.Generator().manual_seed(11)
+    tiles = TILES + [(0, 256), (100, 200), (40, 150), (255, 256)]
+    expect, failures = None, 0
+    for i in range(40):
+        op = ["tile", "tile", "tile", "whole", "clip", "zero"][int(torch.randint(0, 6, (), generator=gen))]
+        if op == "zero":
+            STORE.zero_grad([e])
+            expect = None
+            continue
+        if op == "clip":
+            coef = torch.rand((), generator=gen) + 0.25
+            e.scale_grad(coef)
+            if expect is not None:
+                expect = expect.mul_(coef)
+            continue
+        g = torch.randn(w.shape, generator=gen)
+        rows = tiles[int(torch.randint(0, len(tiles), (), generator=gen))] if op == "tile" else None
+        part = g if rows is None else g[rows[0]:rows[1]]
+        before = grad_so_far(e)
+        with monkeypatch.context() as m:
+            fail = FailingWrites(e.engine.swap.path, int(torch.randint(0, part.numel() * 4, (), generator=gen)), m)
+            try:
+                STORE.reduce_grad(w, part, rows=rows)
+            except ZinfError as err:
+                assert "nothing was added" in str(err), str(err)
+                failures += 1
+        if fail.failed:
+            assert same_grad(grad_so_far(e), before), (i, op, rows)
+            STORE.reduce_grad(w, part, rows=rows)
+        add = torch.zeros(w.shape) if rows is not None else g.clone()
+        if rows is not None:
+            add[rows[0]:rows[1]] = part
+        expect = add if expect is None else expect.add_(add)
+        assert torch.equal(grad_so_far(e)[1], expect.reshape(-1)), (i, op, rows)  # zeros where no tile wrote
+    assert failures >= 15
+    if expect is not None:
+        assert torch.equal(e.read_grad(), expect.reshape(-1))
+    zinf_compile.reset()
 
 
 def test_full_disk_during_a_save_keeps_the_old_checkpoint(small_fs, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import zlib
 
 import pytest
@@ -22,6 +23,9 @@ from zinf_compile.errors import ZinfError
 from zinf_compile.optim import ZinfOptimizer, optimizer
 from zinf_compile.runtime.state import register_engine
 from zinf_compile.runtime.state import STORE
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+from fault_worker import give, give_grad  # noqa: E402  (this step's gradients, as a backward leaves them)
 
 HP = dict(lr=1e-2, weight_decay=0.1)
 LRS = [1e-2, 1e-2, 5e-3, 5e-3]  # the lr of each step: changed between steps, as a scheduler would
@@ -63,16 +67,6 @@ def managed_pair(cls: type, tier: str, offload_root: str, **kw):
     return ref, model, opt, ref_opt
 
 
-def give_grads(model: nn.Module, grads) -> None:
-    """This step's gradients: into p.grad for resident parameters, the store for managed ones."""
-    for p, g in zip(model.parameters(), grads):
-        e = STORE.entry(p)
-        if e is None:
-            p.grad = g.clone()
-        else:
-            e.write_grad(g.reshape(-1).clone())
-
-
 def whole(p: torch.Tensor) -> torch.Tensor:
     e = STORE.entry(p)
     return p.detach() if e is None else STORE.full(e)
@@ -108,7 +102,7 @@ CASES = [
 def step_both(model, ref, opt, ref_opt, gen) -> None:
     """The same random gradients into both models (the managed one through the store), one step each."""
     grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
-    give_grads(model, grads)
+    give(model, grads)
     for q, g in zip(ref.parameters(), grads):
         q.grad = g.clone()
     opt.step()
@@ -164,7 +158,7 @@ def test_managed_shards_refuse_optimizers_that_need_whole_parameters(offload_roo
     model = small()
     manage(model, "nvme", offload_root)
     opt = optimizer(model, torch.optim.LBFGS, lr=0.1)
-    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+    give(model, [torch.ones_like(p) for p in model.parameters()])
     with pytest.raises(ZinfError, match=r"LBFGS needs whole parameters"):
         opt.step(lambda: torch.zeros(()))
 
@@ -182,7 +176,7 @@ def test_nvme_step_interrupts_and_failures_say_what_they_are(offload_root, monke
     before = [whole(p).clone() for p in model.parameters()]
     before_sd = copy.deepcopy(opt.state_dict())
     grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
-    give_grads(model, grads)
+    give(model, grads)
     real = zoptim._adam_chunk
 
     def fail_on_second(exc):
@@ -263,7 +257,7 @@ def test_nvme_step_overlaps_io_with_compute(offload_root, monkeypatch):
         for ev in read_started + computing:
             ev.clear()
         grads = [torch.randn(q.shape) for q in ref.parameters()]
-        give_grads(model, grads)
+        give(model, grads)
         for q, g in zip(ref.parameters(), grads):
             q.grad = g.clone()
         opt.step()
@@ -287,7 +281,7 @@ def test_state_dict_round_trip_and_torch_interop(offload_root, tier, cls, kw):
         grads = [torch.randn(q.shape, generator=gen) for q in ref.parameters()]
         for m, o in pairs:
             if any(STORE.entry(p) for p in m.parameters()):
-                give_grads(m, grads)
+                give(m, grads)
             else:
                 for q, g in zip(m.parameters(), grads):
                     q.grad = g.clone()
@@ -375,7 +369,7 @@ def test_tied_and_frozen_parameters(offload_root):
         grads = [torch.full(p.shape, 0.5) for p in ref.parameters()]
         for p, q, g in zip(model.parameters(), ref.parameters(), grads):
             if p.requires_grad:
-                give_grads_one(p, g)
+                give_grad(p, g)
                 q.grad = g.clone()
         opt.step()
         ref_opt.step()
@@ -385,14 +379,6 @@ def test_tied_and_frozen_parameters(offload_root):
     assert torch.equal(whole(model.frozen.weight), frozen_before)
     sd = full_state_dict(model)
     assert list(sd) == list(ref.state_dict()) and sd["a.weight"] is sd["b.weight"]
-
-
-def give_grads_one(p, g):
-    e = STORE.entry(p)
-    if e is None:
-        p.grad = g.clone()
-    else:
-        e.write_grad(g.reshape(-1).clone())
 
 
 def test_load_state_dict_is_strict(offload_root):
@@ -411,7 +397,7 @@ def test_failed_save_leaves_nothing(offload_root, tmp_path, monkeypatch):
     model = small()
     manage(model, "nvme", offload_root)
     opt = optimizer(model, torch.optim.AdamW, **HP)
-    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+    give(model, [torch.ones_like(p) for p in model.parameters()])
     opt.step()
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ZinfError, match="saving the checkpoint"):
@@ -423,7 +409,7 @@ def test_failed_save_leaves_nothing(offload_root, tmp_path, monkeypatch):
     good = str(tmp_path / "good")
     save_checkpoint(good, model, opt)
     before = {f: open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(good) for f in fs}
-    give_grads(model, [torch.ones_like(p) for p in model.parameters()])
+    give(model, [torch.ones_like(p) for p in model.parameters()])
     opt.step()
     with pytest.raises(ZinfError):
         _fail_midway(monkeypatch, good, model, opt)

@@ -128,13 +128,13 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
             fw, bw = on_joint(joint, joint_inputs, kw, params) if on_joint else _partition_fn(joint, joint_inputs, **kw)
         graphs["forward"], graphs["backward"] = fw, bw
         nfo.append(kw["num_fwd_outputs"])
-        return fw, bw
+        raise _Traced  # the graphs are what we came for: AOT need not wrap them nor run them on fakes
 
     def keep_inference(gm, _inputs):
         params = box["params"] = _checked(box["params"], gm)
         with ranges.suspended():
             graphs["inference"] = on_inference(gm, params) if on_inference else gm
-        return gm
+        raise _Traced
 
     ranges = _RandomRanges()
     with FakeTensorMode(allow_non_fake_inputs=False), _compiling(), ranges:
@@ -158,16 +158,19 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
             out = torch.func.functional_call(model, dict(zip(names, args[:k])), args[k:])
             return out if inference else _loss_of(out)
 
+        # enable_log off: AOT would print every graph to a string for its logs (~1 s per 10k nodes)
         try:
             if inference:
                 compiled = aot_function(run, fw_compiler=keep_inference, inference_compiler=keep_inference,
-                                        num_params_buffers=k)
+                                        num_params_buffers=k, enable_log=False)
                 with torch.no_grad():
                     compiled(*[t for _, t in named], *inputs)
             else:
                 compiled = aot_function(run, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
-                                        partition_fn=partition, num_params_buffers=k)
+                                        partition_fn=partition, num_params_buffers=k, enable_log=False)
                 compiled(*[t for _, t in named], *inputs)
+        except _Traced:
+            pass
         except DataDependentOutputException as e:
             raise ZinfConfigError(
                 f"the model reads a tensor's value in Python ({e.func}: an `if` on a tensor, `.item()`, "
@@ -180,6 +183,12 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
                       f"place(s) ({where}), decided by the draw's range ({ranges.example}); torch.compile "
                       f"breaks the graph at each of them, so the plan traces one graph where a real compile has several")
     return Captured(graphs, nfo[0] if nfo else -1, box["params"])
+
+
+class _Traced(Exception):
+    """Raised from AOT's partition or inference compiler once the graphs are captured (and planned):
+    the rest of aot_function (its runtime wrappers, one run of the compiled graphs on fake
+    tensors) only costs time here."""
 
 
 def _compiling():
@@ -290,7 +299,7 @@ PARAM_MODES = ("auto", "offload", "resident")  # as the backend's `params` optio
 @dataclass(frozen=True)
 class OfflinePlan:
     plan: Any
-    graphs: dict[str, fx.GraphModule]
+    graphs: dict[str, fx.GraphModule]  # planned; their Python code not regenerated (gm.recompile() to run one)
     managed: tuple[CapturedParam, ...]  # the parameters the plan manages
     params: tuple[CapturedParam, ...]  # every parameter of the model (empty: they could not be matched)
     seconds: dict[str, float]  # per pass and planning phase
@@ -318,7 +327,7 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
         cands = tuple((p.index, param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad), False)
                       for p in cparams if p.nbytes >= PERSIST_BYTES) if params != "resident" else ()
         return Request(profile=profile, model=model, budget=budget, params_mode=params, candidates=cands,
-                       tiling=tiling, max_tile_bytes=max_tile_bytes, trace_device=device)
+                       tiling=tiling, max_tile_bytes=max_tile_bytes, trace_device=device, codegen=False)
 
     def on_joint(joint, joint_inputs, kw, cparams):
         done["c"] = compile_joint(joint, joint_inputs, kw, _partition_fn, request(cparams))

@@ -64,6 +64,7 @@ class Request:
     dump_dir: str | None = None
     disabled: frozenset[str] = frozenset()
     trace_device: str | None = None  # where the traced tensors are, when not the model's device (offline)
+    codegen: bool = True  # regenerate each module's code after the passes (off offline: nothing runs them)
 
 
 @dataclass
@@ -191,7 +192,8 @@ def _plan_and_apply(d: _Driver, graphs: Graphs) -> Compiled:
     d.ctx.plan, d.ctx.facts = plan, facts
     d.run(graphs, [*([Recompute()] if plan.recomputes() else []), InsertOffloads(),
                    FetchAhead(req.model.fetch_holds_memory)])
-    d.finish(graphs)
+    if req.codegen:
+        d.finish(graphs)
     peak = check_budget(graphs, d.ctx, plan) if req.verify else None
     if not req.model.frees_device and plan.moves():
         warnings.warn("zinf: offload='cpu' on a CPU device frees no memory (the tensors stay in the same "

@@ -658,7 +658,18 @@ def simulate(facts: GraphFacts, chosen, prefetch_at, nbytes, profile, tier, read
 
 def _op_name(node) -> str:
     t = node.target
-    return str(t) if not hasattr(t, "__name__") or hasattr(t, "overloadpacket") else t.__name__
+    try:
+        return _OP_NAMES[t]
+    except (KeyError, TypeError):  # TypeError: an unhashable target
+        name = str(t) if not hasattr(t, "__name__") or hasattr(t, "overloadpacket") else t.__name__
+    try:
+        _OP_NAMES[t] = name
+    except TypeError:
+        pass
+    return name
+
+
+_OP_NAMES: dict = {}  # target -> its name in the plan (str() of an OpOverload is not free: 7k per plan)
 
 
 def _tensor_lives(facts: GraphFacts, shown: set[int]) -> tuple[TensorLife, ...]:

@@ -41,15 +41,22 @@ def manage(model: nn.Module, offload_dir: str, key: int = KEY) -> None:
             STORE.manage(STORE.identify(p, name), "nvme", key)
 
 
-def give(model: nn.Module, gs) -> None:
+def give_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """`g` as the gradient of `p`: its .grad if resident, its shard's gradient in the store if
+    managed (as a backward would leave it). Shared by the store-level tests (test_optim, test_faults)."""
     from zinf_compile.runtime.state import STORE
 
+    e = STORE.entry(p)
+    if e is None:
+        p.grad = g.clone()
+    else:
+        e.write_grad(g.reshape(-1).clone())
+
+
+def give(model: nn.Module, gs) -> None:
+    """One step's gradients `gs`, in the order of model.parameters()."""
     for p, g in zip(model.parameters(), gs):
-        e = STORE.entry(p)
-        if e is None:
-            p.grad = g.clone()
-        else:
-            e.write_grad(g.reshape(-1).clone())
+        give_grad(p, g)
 
 
 def main(offload_dir: str, ckpt: str, point: str) -> None:

@@ -5,8 +5,11 @@ of disk). Measured by hand, numbers in docs/decisions.md:
     python tests/workers/load_infer.py run DIR OFFLOAD_DIR [BUDGET [in_place]]  # meta + load + zinf forwards
 
 `make` writes sharded safetensors (with their index) without ever building the model: each tensor
-is drawn, written and dropped. `run` builds the model on meta, loads it into NVMe shards and runs two
-forwards compiled with zinf; it prints VmHWM growth over the RSS after imports at each stage.
+is drawn, written and dropped (bench/scale.py's writer, which `python -m bench scale` uses for
+checkpoints larger than RAM). `run` builds the model on meta, loads it into NVMe shards (or in place)
+and runs two forwards compiled with zinf; it prints VmHWM growth over the RSS after imports at each
+stage. (bench scale measures the in-place load at scale; this one compares it with a load into swap
+files at a size that fits.)
 """
 import json
 import os
@@ -20,47 +23,17 @@ import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 from bench import _rss  # noqa: E402
+from bench.scale import llama_config, write_checkpoint  # noqa: E402
 
 SHARD = 512 << 20
 
 
 def config(layers: int, hidden: int, vocab: int) -> "tf.LlamaConfig":
-    return tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                          num_hidden_layers=layers, num_attention_heads=hidden // 128,
-                          num_key_value_heads=hidden // 128, max_position_embeddings=512,
-                          tie_word_embeddings=False, dtype=torch.float32)
+    return llama_config(layers, hidden, hidden * 11 // 4, hidden // 128, hidden // 128, vocab)
 
 
 def make(path: str, layers: str = "8", hidden: str = "2048", vocab: str = "32000") -> None:
-    from safetensors.torch import save_file
-
-    cfg = config(int(layers), int(hidden), int(vocab))
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(cfg)
-    os.makedirs(path, exist_ok=True)
-    cfg.save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    weight_map, part, size, n = {}, {}, 0, 0
-
-    def flush():
-        nonlocal part, size, n
-        if part:
-            n += 1
-            name = f"model-{n:05d}.safetensors"
-            save_file(part, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(part, name))
-            part, size = {}, 0
-
-    for key, p in model.state_dict().items():
-        t = torch.ones(p.shape) if key.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
-        part[key] = t
-        size += t.numel() * 4
-        if size >= SHARD:
-            flush()
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(os.path.getsize(os.path.join(path, v))
-                                                  for v in set(weight_map.values()))}, "weight_map": weight_map}, f)
+    write_checkpoint(path, config(int(layers), int(hidden), int(vocab)), shard_bytes=SHARD)
 
 
 def run(path: str, offload_dir: str, budget: str = "20%", in_place: str = "") -> None:

@@ -17,7 +17,6 @@ import numpy as np
 import sympy
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from zinf_compile import ir
 from zinf_compile.analysis.sizes import dense_dim_order, shape_str, storage_nbytes, tensor_nbytes
@@ -167,7 +166,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
         return len(b_graph) - 1
 
     for spec in specs:
-        storages: dict[StorageWeakRef, int] = {}
+        storages: dict[int, int] = {}  # a storage's address -> its buffer (the graph's values keep it alive)
         graph_steps = [step_of[n] for n in spec.gm.graph.nodes if n in step_of]
         first = graph_steps[0] if graph_steps else 0
         for node in spec.gm.graph.nodes:
@@ -180,7 +179,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                     ids = buffer_of.get(src, [])
                     buffer_of[node] = ids
                     for b, t in zip(ids, ts):
-                        storages[StorageWeakRef(t.untyped_storage())] = b
+                        storages[t.untyped_storage()._cdata] = b
                         b_aliases[b].append(node)
                         if b_role[b] == "activation":
                             b_role[b] = "saved"
@@ -188,7 +187,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                 role = "input" if spec.role != "backward" else "tangent"
                 ids = []
                 for t in ts:
-                    key = StorageWeakRef(t.untyped_storage())
+                    key = t.untyped_storage()._cdata
                     if key not in storages:
                         storages[key] = new_buffer(spec.role, role, t, first if role == "tangent" else -1, node)
                     else:
@@ -214,7 +213,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                 b_uses[b].add(s)
             ids = []
             for t in ts:
-                key = StorageWeakRef(t.untyped_storage())
+                key = t.untyped_storage()._cdata
                 if key not in storages:
                     storages[key] = new_buffer(spec.role, "activation", t, s, node)
                 elif node not in b_aliases[storages[key]]:
@@ -244,7 +243,8 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
             ws[s] += b.nbytes
     live = np.cumsum(live)[:n_steps]
     graph_of_step = [st.node.graph for st in steps]
-    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step))
+    orders: dict[fx.Node, list[int] | None] = {}  # dense_dim_order of each alias, once
+    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step, orders))
     recomputes = ()
     bw = [spec for spec in specs if spec.saved]
     if bw and n_steps:
@@ -313,7 +313,7 @@ def _majority_device(devices: list[str], sizes) -> str:
     return "cpu"
 
 
-def _gaps(b: Buffer, step_of: dict, graph_of_step: list) -> list[Gap]:
+def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[Gap]:
     """The gaps of a buffer that an offload can use.
 
     A gap qualifies when the buffer is an activation (inputs and outputs are held by the caller,
@@ -336,24 +336,24 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list) -> list[Gap]:
         if not readers:
             continue
         cross = readers[0].graph is not graph
-        if len(readers) == 1 and _covers(readers[0], b):
+        if len(readers) == 1 and _covers(readers[0], b, orders):
             target = readers[0]
             source = (target if target.op == "placeholder" or step_of[target] <= a else None) if not cross \
                 else _saved_source(b, target, a, step_of)
-            if source is not None and _covers(source, b):
-                out.append(Gap(b.id, a, c, source, target, tuple(dense_dim_order(source.meta["val"]))))
+            if source is not None and _covers(source, b, orders):
+                out.append(Gap(b.id, a, c, source, target, tuple(orders[source])))
                 continue
         # several readers, or one that does not cover the storage: a covering base, views rebuilt
         if not all(_static_view(r, b) for r in readers) or (cross and any(r.op != "placeholder" for r in readers)):
             continue
         bases = [n for n in b.aliases if n.graph is graph and (n.op == "placeholder" or step_of.get(n, 10**18) <= a)
-                 and _covers(n, b) and _static_view(n, b) and n.meta["val"].storage_offset() == 0]
+                 and _covers(n, b, orders) and _static_view(n, b) and n.meta["val"].storage_offset() == 0]
         if not bases:
             continue
         source = bases[0]
         if any(r.meta["val"].dtype != source.meta["val"].dtype for r in readers):
             continue
-        out.append(Gap(b.id, a, c, source, readers[0], tuple(dense_dim_order(source.meta["val"])), tuple(readers)))
+        out.append(Gap(b.id, a, c, source, readers[0], tuple(orders[source]), tuple(readers)))
     return out
 
 
@@ -362,10 +362,15 @@ def _before(n: fx.Node, c: int, step_of: dict) -> bool:
     return n.op == "placeholder" or step_of.get(n, 10**18) < c
 
 
-def _covers(n: fx.Node, b: Buffer) -> bool:
+def _covers(n: fx.Node, b: Buffer, orders: dict) -> bool:
+    """Whether alias n is one dense tensor over all of b's bytes (`orders` memoizes n's
+    dense_dim_order: an alias is asked once per gap of its buffer)."""
     val = n.meta.get("val")
-    return (isinstance(val, torch.Tensor) and dense_dim_order(val) is not None
-            and tensor_nbytes(val) == b.nbytes)
+    if not isinstance(val, torch.Tensor):
+        return False
+    if n not in orders:
+        orders[n] = dense_dim_order(val)
+    return orders[n] is not None and tensor_nbytes(val) == b.nbytes
 
 
 def _static_view(n: fx.Node, b: Buffer) -> bool:

@@ -16,6 +16,8 @@ def expr_of(x) -> sympy.Expr:
 
 def hint_of(x) -> int:
     """A concrete value for x, read from the shape env's hints; never adds a guard."""
+    if type(x) is int:  # the common case, first
+        return x
     if isinstance(x, torch.SymInt):
         node = x.node
         if node.hint is not None:

@@ -143,7 +143,7 @@ def _write_back(e, value: torch.Tensor) -> None:
         raise ZinfError(f"zinf: cannot write a tensor of shape {tuple(value.shape)} into managed parameter "
                         f"{e.name!r} of shape {tuple(e.shape)}")
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-        e.write_shard(e.slice_of(value.detach().reshape(-1)))
+        e.write_whole(value)
 
 
 def _same_after(p, func, args, kwargs) -> bool:

@@ -16,6 +16,8 @@ never data computed with (option "checksums" turns both off).
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import itertools
 import math
 import os
@@ -75,8 +77,24 @@ def inverse_order(dim_order) -> list[int]:
 
 
 def _byte_view(t: torch.Tensor):
-    """A writable uint8 numpy view over a contiguous CPU tensor's bytes."""
+    """A writable uint8 numpy view over a contiguous CPU tensor's bytes, which keeps the tensor
+    alive (reads run on after the call that starts them). torch makes the storage of a tensor
+    exported to numpy non-resizable, for good."""
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _borrowed_bytes(t: torch.Tensor):
+    """A writable uint8 numpy array over a contiguous CPU tensor's bytes, through their address:
+    the storage stays resizable (a parameter's storage is freed by resizing it, and writing its
+    shard straight from it must not prevent that; `_byte_view` would). It holds no reference:
+    for a transfer that ends before the caller, who holds `t`, returns."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ZinfError(f"zinf: internal: file I/O needs a contiguous CPU tensor, got a {t.device} tensor of "
+                        f"strides {tuple(t.stride())}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype=np.uint8)
 
 
 class OffloadEngine:
@@ -334,12 +352,22 @@ class OffloadEngine:
         cuts = [0, *range(CHUNK_BYTES - base % CHUNK_BYTES, nbytes, CHUNK_BYTES), nbytes]
         return [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a] or [(0, 0)]
 
-    def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> list[Future]:
-        view = _byte_view(t) if nbytes else None
+    def _submit_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0, view=None) -> list[Future]:
+        if view is None:
+            view = _byte_view(t) if nbytes else None
         return [self.pool.submit(fn, fd, view, off, n, base) for off, n in self._chunks(nbytes, base)]
 
     def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> None:
-        _join(self._submit_chunks(fn, fd, t, nbytes, base))  # every chunk done before raising
+        """fn over every chunk of t's bytes, waited for (all of them, even after an error): t's
+        bytes are borrowed for the call (`_borrowed_bytes`), so its storage stays resizable."""
+        errors = []
+        for f in self._submit_chunks(fn, fd, t, nbytes, base, view=_borrowed_bytes(t)):
+            try:
+                f.result()
+            except BaseException as e:  # wait for every chunk before raising
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _write_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         """Bytes [off, off+n) of `view` to the file at base+off (and their blocks' checksums)."""
@@ -359,7 +387,7 @@ class OffloadEngine:
     def _write_raw(self, fd: int, view, off: int, n: int, base: int) -> None:
         if n == 0:
             return
-        if self._swap is not None and self._swap.o_direct:
+        if _opened_direct(fd):
             body = _direct_body(view, off, n, base)
             if body:  # straight from the tensor's pages
                 _pwrite_all(fd, memoryview(view[off:off + body]), base + off)
@@ -418,12 +446,36 @@ class OffloadEngine:
                 sums[k] = (hi - start, zlib.crc32(new))
                 return
             length = max(old_len, hi - start)
-            block = self._read_block(fd, start, length)
+            try:
+                block = self._read_block(fd, start, length)
+            except OSError:
+                if old is not None:
+                    sums[k] = old  # nothing was written: the block is as recorded
+                raise
             if old is not None and zlib.crc32(block[:old_len]) != old[1]:
                 raise SwapCorruptionError(self._corrupt(fd, start, start + old_len))
             block[lo - start:hi - start] = new
-            self._write_raw(fd, view, lo - base, hi - lo, base)
+            try:
+                self._write_raw(fd, view, lo - base, hi - lo, base)
+            except OSError:
+                if old is not None:
+                    self._resum_after_failure(fd, sums, k, block, old_len, lo - start, hi - start)
+                raise
             sums[k] = (length, zlib.crc32(block[:length]))
+
+    def _resum_after_failure(self, fd: int, sums: dict, k: int, block, length: int, lo: int, hi: int) -> None:
+        """A write of bytes [lo, hi) of block k failed: the block's other bytes are another record's
+        (a neighbouring tile of a gradient) and must stay readable. Sum the first `length` bytes
+        as they are now if those outside [lo, hi) are still the ones checked before the write
+        (`block`); the failed range holds no one's data (the caller did not record it), else the
+        block stays unsummed, which reads as "never completely written"."""
+        try:
+            now = self._read_block(fd, k * BLOCK_BYTES, length)
+        except OSError:
+            return
+        if (bytes(now[:min(lo, length)]) == bytes(block[:min(lo, length)])
+                and bytes(now[hi:length]) == bytes(block[hi:length])):
+            sums[k] = (length, zlib.crc32(now[:length]))
 
     def _read_block(self, fd: int, start: int, length: int):
         """Bytes [start, start + length) of the file (zeros past its end) in a fresh buffer."""
@@ -502,7 +554,7 @@ class OffloadEngine:
             raise ZinfError(f"zinf: reading the swap file {self.describe(fd)} failed: {e.strerror or e}") from None
 
     def _read_raw(self, fd: int, view, off: int, n: int, base: int) -> None:
-        if self._swap is not None and self._swap.o_direct:
+        if _opened_direct(fd):
             body = _direct_body(view, off, n, base)
             if body:  # straight into the tensor's pages: no copy
                 _pread_all(fd, memoryview(view[off:off + body]), base + off)
@@ -533,11 +585,15 @@ class OffloadEngine:
 
     # -- whole files, for the parameter store and the optimizer ----------------------------------
     def write_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
-        """t's bytes (contiguous, on the CPU) into the file at `offset`, in parallel chunks."""
+        """t's bytes (contiguous, on the CPU) into the file at `offset`, in parallel chunks, straight
+        from t's memory (O_DIRECT: through a bounded aligned buffer where t's pages are not the
+        file's), checksummed; t's storage stays resizable (a parameter's may be freed after)."""
         if fd in self._parent_fds:
             raise ZinfError("zinf: this process was forked from the one whose swap files hold the model's shards "
                             "and states; a forked child may read them (inference) but not write them (training, "
                             "an optimizer step): start workers with the 'spawn' method, or train in the parent")
+        if not t.is_contiguous():  # its bytes in order, as a numpy view of it wrote them
+            t = t.contiguous()
         self._run_chunks(self._write_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_written"] += t.numel() * t.element_size()
 
@@ -616,7 +672,8 @@ class OffloadEngine:
         return torch.from_numpy(arr).view(dtype), futures
 
     def read_file(self, fd: int, t: torch.Tensor, offset: int = 0) -> None:
-        """The file's bytes from `offset` into t (contiguous, on the CPU)."""
+        """The file's bytes from `offset` into t (contiguous, on the CPU), checked against their
+        checksums; t's storage stays resizable."""
         self.check_size(fd, offset, t.numel() * t.element_size())
         self._run_chunks(self._read_chunk, fd, t, t.numel() * t.element_size(), offset)
         self.stats["bytes_read"] += t.numel() * t.element_size()
@@ -648,6 +705,15 @@ def _when_all_done(futures: list[Future], fn) -> None:
 
     for f in futures:
         f.add_done_callback(one_done)
+
+
+def _opened_direct(fd: int) -> bool:
+    """Whether `fd` was opened with O_DIRECT (one fcntl per chunk, under a microsecond). Asked of
+    the descriptor, not of the engine: an O_DIRECT engine also reads files it did not open so, a
+    checkpoint read in place (plain preadv into the tensor: no page-aligned bounce and its copy,
+    which made those reads 35% slower from the page cache) and, in a forked child, its parent's
+    swap files, opened with the parent's flags."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _direct_body(view, off: int, n: int, base: int) -> int:

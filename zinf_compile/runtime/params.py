@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zinf_compile.errors import ZinfError
+from zinf_compile.errors import SwapCorruptionError, ZinfError
 
 
 def world() -> tuple[int, int]:
@@ -97,6 +97,11 @@ class Entry:
     # nvme tier: clip coefficients (0-dim tensors) not yet multiplied into the gradient file; every
     # reader applies them in order (read_grad_into); see zinf_compile/grads.py
     grad_scales: list = field(default_factory=list, repr=False)
+    # nvme tier: the flat [lo, hi) ranges (sorted, disjoint) of the gradient whose values are in the
+    # spare file (`grad_spare_fd`, at the same offsets), not in `grad_fd`: a sum that replaces part of
+    # the gradient is written beside it and switched to when whole (`_write_grad_beside`); empty
+    # in the common path (then `grad_fd` holds the whole gradient)
+    grad_moved: list = field(default_factory=list)
     state_fds: dict = field(default_factory=dict)  # optimizer states in files (nvme tier)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # the shard's (and its gradient's and optimizer states') dtype: fp32 master shards under a
@@ -151,8 +156,7 @@ class Entry:
 
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's part of a flat whole-parameter tensor (a parameter, a gradient, a state),
-        zero-padded to shard_numel, always a fresh tensor: file writes go through a numpy view,
-        which makes the viewed storage unresizable, so never the parameter's own."""
+        zero-padded to shard_numel, always a fresh tensor (the CPU tier may keep it)."""
         lo, hi = self.shard_range()
         out = torch.zeros(self.shard_numel, dtype=flat.dtype, device=flat.device)
         n = max(0, min(hi, self.numel) - lo)
@@ -229,6 +233,27 @@ class Entry:
                 self.fd, self.base, self.source = self._acquire("shard"), 0, None  # a whole write: nothing to copy
             self.engine.write_file(self.fd, flat.contiguous())
 
+    def write_whole(self, value: torch.Tensor) -> None:
+        """Write the shard from the whole parameter's value (any shape). On one rank the shard is
+        the value itself: its bytes go to the file straight from its storage (the engine borrows
+        them, the storage stays resizable: a parameter's own is freed after), no padded copy, so
+        materializing a parameter peaks at about its size, not twice it. A value in another dtype
+        than the shard's (fp32 masters of a bf16 model) is converted first, as write_shard does."""
+        flat = value.detach().reshape(-1)
+        self.write_shard(flat if self.world == 1 else self.slice_of(flat))
+
+    def read_whole_into(self, t: torch.Tensor) -> bool:
+        """The whole parameter's value read straight into `t` (contiguous, on the CPU, the shard's
+        dtype; its storage stays resizable), where this rank's shard is the whole parameter (one
+        rank): no second full-size buffer. False elsewhere (the caller copies from STORE.full)."""
+        if self.world != 1 or t.device.type != "cpu" or t.dtype != self.shard_dtype or not t.is_contiguous():
+            return False
+        if self.tier == "cpu":
+            t.view(-1).copy_(self.shard)
+        else:
+            self.engine.read_file(self.fd, t.view(-1), self.base)
+        return True
+
     def _own_file(self, chunk: int = 1 << 22) -> None:
         """An in-place shard (`source`) moves to a swap file of its own, chunk by chunk, before
         anything is written for it (the optimizer reads and writes `fd` from offset 0)."""
@@ -237,10 +262,15 @@ class Entry:
         fd = self._acquire("shard")
         buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
         size = self.shard_dtype.itemsize
-        for start in range(0, self.shard_numel, chunk):
-            part = buf[:min(chunk, self.shard_numel - start)]
-            self.engine.read_file(self.fd, part, self.base + start * size)
-            self.engine.write_file(fd, part, start * size)
+        try:
+            for start in range(0, self.shard_numel, chunk):
+                part = buf[:min(chunk, self.shard_numel - start)]
+                self.engine.read_file(self.fd, part, self.base + start * size)
+                self.engine.write_file(fd, part, start * size)
+        except BaseException:  # the shard stays where it lies; the half-written file goes back
+            n = self.file_nos.pop()
+            self.engine.swap.release(n)
+            raise
         self.fd, self.base, self.source = fd, 0, None
 
     def read_grad(self) -> torch.Tensor | None:
@@ -256,9 +286,43 @@ class Entry:
     def read_grad_into(self, out: torch.Tensor, start: int = 0) -> None:
         """Elements [start, start + len(out)) of the gradient file into `out`, scaled by the clip
         coefficients pending on it (nvme tier; the file must be whole: complete_grad)."""
-        self.engine.read_file(self.grad_fd, out, start * self.shard_dtype.itemsize)
+        self._read_grad_raw(out, start)
         for coef in self.grad_scales:
             out.mul_(coef)
+
+    def _read_grad_raw(self, out: torch.Tensor, start: int) -> None:
+        """Elements [start, start + len(out)) of the gradient as written, each piece from the file
+        holding it (`grad_moved`), no pending scale applied."""
+        size = self.shard_dtype.itemsize
+        if not self.grad_moved:
+            self.engine.read_file(self.grad_fd, out, start * size)
+            return
+        for a, b, moved in _pieces(self.grad_moved, start, start + out.numel()):
+            self.engine.read_file(self.grad_spare_fd if moved else self.grad_fd, out[a - start:b - start], a * size)
+
+    def _write_grad_beside(self, values: torch.Tensor, start: int) -> None:
+        """Elements [start, start + len(values)) of a new gradient, each piece to the gradient file
+        that does NOT hold its values now: a failure half way overwrites nothing of the gradient
+        (the whole-file-write rule of the optimizer's records, two slots, per range). Nothing
+        reads them until `_switch_grad` makes them the gradient."""
+        if self.grad_spare_fd is None:
+            self.grad_spare_fd = self._acquire("gradient")
+        size = self.shard_dtype.itemsize
+        values = values.contiguous()
+        for a, b, moved in _pieces(self.grad_moved, start, start + values.numel()):
+            self.engine.write_file(self.grad_fd if moved else self.grad_spare_fd, values[a - start:b - start], a * size)
+
+    def _switch_grad(self, lo: int, hi: int) -> None:
+        """Elements [lo, hi), written by `_write_grad_beside`, become the gradient: bookkeeping
+        only (signals held back meanwhile: it is never left half done)."""
+        with _deferred_signals():
+            if (lo, hi) == (0, self.shard_numel):  # every element changed file: swap the two
+                self.grad_fd, self.grad_spare_fd = self.grad_spare_fd, self.grad_fd
+                return
+            moved = _toggle(self.grad_moved, lo, hi)
+            if moved == [(0, self.shard_numel)]:
+                self.grad_fd, self.grad_spare_fd, moved = self.grad_spare_fd, self.grad_fd, []
+            self.grad_moved = moved
 
     def scale_grad(self, coef: torch.Tensor) -> None:
         """Multiply the gradient by `coef` (a 0-dim CPU tensor) as torch's clip_grad_norm_ does
@@ -271,14 +335,18 @@ class Entry:
             self.grad_scales.append(coef)
 
     def _settle_grad_scales(self, chunk: int = 1 << 21) -> None:
-        """Multiply the pending clip coefficients into the gradient file (before adding to it)."""
+        """Multiply the pending clip coefficients into the gradient file (before adding to it).
+        The scaled gradient goes beside the old one (`_write_grad_beside`): a failure half way
+        leaves the gradient and its pending coefficients as they were."""
         self.complete_grad()
         buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
         for start in range(0, self.shard_numel, chunk):
             part = buf[:min(chunk, self.shard_numel - start)]
             self.read_grad_into(part, start)
-            self.engine.write_file(self.grad_fd, part, start * self.shard_dtype.itemsize)
-        self.grad_scales.clear()
+            self._write_grad_beside(part, start)
+        with _deferred_signals():
+            self._switch_grad(0, self.shard_numel)
+            self.grad_scales.clear()
 
     def add_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Accumulate `part` (this rank's flat gradient, or of `rows` of it, on the CPU in
@@ -296,10 +364,24 @@ class Entry:
             self.grad = None
             self.has_grad = False
             self.grad_parts.clear()
+            self.grad_moved = []
             self.grad_scales.clear()
 
     def accumulate_grad(self, part: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        """add_grad without the sink: `part` into the gradient, in its tier."""
+        """add_grad without the sink: `part` into the gradient, in its tier. All or nothing on
+        NVMe: a failure (a full disk, an I/O error) leaves the gradient as it was, so the same
+        call retried gives what it would have given."""
+        try:
+            self._accumulate(part, rows)
+        except SwapCorruptionError:
+            raise  # the gradient's file is damaged: nothing to retry
+        except Exception as err:
+            what = f"rows {rows[0]}:{rows[1]} of " if rows is not None else ""
+            raise ZinfError(f"zinf: adding to {what}the gradient of parameter {self.name!r} failed ({err}); "
+                            "nothing was added: the gradient is as it was before. Free space (or fix the "
+                            "cause) and run it again: the result is as if this attempt had not happened") from err
+
+    def _accumulate(self, part: torch.Tensor, rows: tuple[int, int] | None) -> None:
         with self.lock:
             self._own_file()  # a gradient: the optimizer will write the shard
             if self.grad_scales and self.has_grad:
@@ -318,25 +400,26 @@ class Entry:
                 return
             if self.grad_fd is None:
                 self.grad_fd = self._acquire("gradient")
-            off = lo * self.shard_dtype.itemsize
-            if self.has_grad and (lo, hi) not in self.grad_parts:
-                if any(a < hi and lo < b for a, b in self.grad_parts):
-                    self.complete_grad()  # a range overlapping others: make the whole file valid
-                if not self.grad_parts:  # the whole file is this step's: add to what is there
-                    prev = torch.empty(hi - lo, dtype=self.shard_dtype)
-                    self.engine.read_file(self.grad_fd, prev, off)
-                    part = prev.add_(part)
-            elif (lo, hi) in self.grad_parts:
+            if self.has_grad and (lo, hi) not in self.grad_parts and any(a < hi and lo < b for a, b in self.grad_parts):
+                self.complete_grad()  # a range overlapping others: make the whole file valid
+            if self.has_grad and (not self.grad_parts or (lo, hi) in self.grad_parts):
+                # the range holds this step's gradient: the sum goes beside it, switched to when whole
                 prev = torch.empty(hi - lo, dtype=self.shard_dtype)
-                self.engine.read_file(self.grad_fd, prev, off)
-                part = prev.add_(part)
-            if not self.has_grad or self.grad_parts:
-                self.grad_parts.add((lo, hi))
-            self.engine.write_file(self.grad_fd, part.contiguous(), off)
-            self.has_grad = True
+                self._read_grad_raw(prev, lo)
+                self._write_grad_beside(prev.add_(part), lo)
+                self._switch_grad(lo, hi)
+                return
+            # the range holds nothing of this step's yet (its bytes are no one's): written in place,
+            # and part of the gradient once written whole
+            self.engine.write_file(self.grad_fd, part.contiguous(), lo * self.shard_dtype.itemsize)
+            with _deferred_signals():
+                if not self.has_grad or self.grad_parts:
+                    self.grad_parts.add((lo, hi))
+                self.has_grad = True
 
     def complete_grad(self) -> None:
-        """Make the gradient file whole: zeros where no tile wrote this step (nvme tier)."""
+        """Make the gradient file whole: zeros where no tile wrote this step (nvme tier). Only
+        bytes that are no one's are written: a failure half way changes nothing of the gradient."""
         if not (self.has_grad and self.grad_parts):
             return
         at = 0
@@ -351,17 +434,20 @@ class Entry:
         self._own_file()
         if self.tier == "cpu":
             self.grad = flat
+        elif self.has_grad:  # the gradient held survives a failed write: the new one goes beside it
+            if self.grad_fd is None:
+                self.grad_fd = self._acquire("gradient")
+            self._write_grad_beside(flat, 0)
+            self._switch_grad(0, self.shard_numel)
         else:
-            fd = self.grad_fd = self._acquire("gradient") if self.grad_fd is None else self.grad_fd
-            if self.has_grad:  # the gradient held survives a failed write: the sum goes beside it
-                fd = self.grad_spare_fd = (self._acquire("gradient") if self.grad_spare_fd is None
-                                           else self.grad_spare_fd)
-            self.engine.write_file(fd, flat.contiguous())
-            if fd != self.grad_fd:
-                self.grad_spare_fd, self.grad_fd = self.grad_fd, fd
-        self.grad_parts.clear()
-        self.grad_scales.clear()
-        self.has_grad = True
+            if self.grad_fd is None:
+                self.grad_fd = self._acquire("gradient")
+            self.grad_moved = []
+            self.engine.write_file(self.grad_fd, flat.contiguous())
+        with _deferred_signals():
+            self.grad_parts.clear()
+            self.grad_scales.clear()
+            self.has_grad = True
 
     def state_fd(self, name: str) -> int:
         if name not in self.state_fds:
@@ -384,6 +470,7 @@ class Entry:
                 swap.release(n)
         self.file_nos.clear()
         self.fd = self.grad_fd = self.grad_spare_fd = None
+        self.grad_moved = []
         self.source, self.base = None, 0  # the source file's descriptor is shared (ParamStore.source_fd)
         self.state_fds.clear()
 
@@ -490,11 +577,7 @@ class ParamStore:
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
                       master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
             try:
-                if value is None:
-                    e.write_shard(e.slice_of(param.detach().reshape(-1)))
-                else:
-                    flat = value.detach().reshape(-1)
-                    e.write_shard(flat if e.world == 1 else e.slice_of(flat))
+                e.write_whole(param if value is None else value)
             except BaseException:
                 e.close_files()
                 raise
@@ -743,6 +826,7 @@ class ParamStore:
             e.grad = None
             e.has_grad = False
             e.grad_parts.clear()
+            e.grad_moved = []
             e.reduces = 0
             sink = e.grad_sink() if e.grad_sink is not None else None
             if sink is not None:
@@ -754,6 +838,44 @@ class ParamStore:
             raise ZinfError("zinf: a graph gathers a parameter the store does not manage (was the store "
                             "reset while compiled code still runs?)")
         return e
+
+
+def _pieces(ranges: list, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """[lo, hi) cut where `ranges` (sorted, disjoint [a, b)) start or end: (a, b, inside) pieces."""
+    out, at = [], lo
+    for a, b in ranges:
+        if b <= at:
+            continue
+        if a >= hi:
+            break
+        if a > at:
+            out.append((at, a, False))
+        at = min(b, hi)
+        out.append((max(a, lo), at, True))
+        if at >= hi:
+            break
+    if at < hi:
+        out.append((at, hi, False))
+    return out
+
+
+def _toggle(ranges: list, lo: int, hi: int) -> list[tuple[int, int]]:
+    """`ranges` with [lo, hi) toggled (the symmetric difference), sorted, disjoint, merged."""
+    keep = [(a, min(b, lo)) for a, b in ranges if a < lo] + [(max(a, hi), b) for a, b in ranges if b > hi]
+    keep += [(a, b) for a, b, inside in _pieces(ranges, lo, hi) if not inside]
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in keep if r[0] < r[1]):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _deferred_signals():
+    from zinf_compile.optim import _deferred_signals as held
+
+    return held()
 
 
 _REDUCE_SCATTER_OK: bool | None = None

@@ -1,11 +1,13 @@
 """The per-process folder of NVMe swap files: made on first use, removed at exit and on error."""
 from __future__ import annotations
 
+import _thread
 import os
 import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import weakref
 
@@ -57,12 +59,42 @@ def _exit_on_sigterm() -> None:
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _on_sigterm)
+            if not isinstance(sys.unraisablehook, _Redeliver):
+                sys.unraisablehook = _Redeliver(sys.unraisablehook)
     except (ValueError, OSError):
         pass
 
 
+class Terminated(SystemExit):
+    """The exit zinf's SIGTERM handler raises (status 128 + SIGTERM)."""
+
+
 def _on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)
+
+
+class _Redeliver:
+    """sys.unraisablehook while zinf's SIGTERM handler is set. Python runs a signal handler at
+    the next bytecode of the main thread, which may be inside a finalizer (`weakref.finalize`,
+    `__del__`, a weakref callback), where an exception is ignored ("Exception ignored in ...") and
+    the program goes on: the SIGTERM would be lost. The handler's exit arriving here is handed to
+    the handler again, from another thread a moment later (`_thread.interrupt_main`), so it runs
+    once the finalizer has returned (again, if it lands in another one). Everything else goes to
+    the hook that was set before."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, Terminated) and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            timer = threading.Timer(0.001, _thread.interrupt_main, (signal.SIGTERM,))
+            timer.daemon = True
+            try:
+                timer.start()
+                return
+            except RuntimeError:  # no new thread at interpreter shutdown: the process is exiting anyway
+                pass
+        self.previous(unraisable)
 
 
 class SwapDir:
