@@ -18,6 +18,7 @@ BENCHMARKS = {
     "soak": "bench.soak",
     "integrity": "bench.integrity",
     "scale": "bench.scale",
+    "diskio": "bench.diskio",
 }
 
 

@@ -340,3 +340,60 @@ def test_checksums_follow_writes_at_any_offset_and_catch_one_flipped_byte(tmp_pa
         assert not torch.equal(got, shadow) and (got != shadow).sum() == 1
     finally:
         e.close()
+
+
+def test_host_buffers_serve_a_read_again_only_once_its_tensor_is_gone():
+    """A direct engine's read buffers are recycled (no zero-filled page faults per read), but never
+    while any view of the tensor lives; what is kept free stays within its bound."""
+    import gc
+
+    pool = eng_mod.HostBuffers(max_free=3 * 4096 * 256, per_size=2)
+    a = pool.empty(1000, torch.float32)
+    assert a.data_ptr() % eng_mod.ALIGN == 0 and a.numel() == 1000
+    a.fill_(7)
+    view = a[10:20].view(2, 5)  # a view outlives the tensor object
+    ptr = a.data_ptr()
+    del a
+    gc.collect()
+    b = pool.empty(1000, torch.float32)
+    assert b.data_ptr() != ptr and bool((view == 7).all())
+    del view
+    gc.collect()
+    c = pool.empty(1000, torch.float32)
+    assert c.data_ptr() == ptr and pool.stats["reused"] == 1
+    big = [pool.empty(4096 * 256 // 4, torch.float32) for _ in range(4)]  # 1 MiB each
+    del big
+    gc.collect()
+    assert pool._free_bytes <= pool.max_free and len(pool._free[4096 * 256]) == 2
+
+
+def test_submit_map_checks_in_pieces_and_reports_a_bad_block_through_its_futures(tmp_path, monkeypatch):
+    """A mapping is checked in VERIFY_BYTES pieces in the I/O threads: the tensor comes at once,
+    a flipped byte in any piece fails its future (and map_file) with the file named."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    monkeypatch.setattr(eng_mod, "VERIFY_BYTES", 4 * eng_mod.BLOCK_BYTES)
+    e = eng_mod.OffloadEngine(424270, "nvme", str(tmp_path), 3, False)
+    try:
+        _, fd = e.swap.acquire("mapped record")
+        data = torch.randn(5 * eng_mod.VERIFY_BYTES // 4 + 123)
+        e.write_file(fd, data)
+        t, futures = e.submit_map(fd, 0, data.numel(), torch.float32)
+        assert len(futures) == 6
+        eng_mod._join(futures)
+        assert torch.equal(t, data)
+        bad = 4 * eng_mod.VERIFY_BYTES + 100  # in the fifth piece
+        with open(_path_of(fd), "r+b") as f:
+            f.seek(bad)
+            byte = f.read(1)
+            f.seek(bad)
+            f.write(bytes([byte[0] ^ 1]))
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _, futures = e.submit_map(fd, 0, data.numel(), torch.float32)
+        failed = [f for f in futures if f.exception() is not None]
+        assert len(failed) == 1 and isinstance(failed[0].exception(), SwapCorruptionError)
+        with pytest.raises(SwapCorruptionError, match=r"swap-0\.bin \(mapped record\) is corrupt"):
+            e.map_file(fd, 4 * 1000, data.numel() - 1000, torch.float32)
+        e.map_file(fd, 0, 1000, torch.float32)  # elsewhere: fine
+    finally:
+        e.close()
