@@ -222,6 +222,13 @@ class Entry:
         self.engine.read_file(self.fd, out, self.base)
         return out
 
+    def map_ahead(self, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, list]:
+        """The shard (or its `rows`) mapped as read_shard(mapped=True) maps it, with the futures of
+        its checksum checks, which run on the I/O threads: a fetch's disk reads overlap the graph's
+        compute instead of running on the graph thread at the fetch (`maps` must hold)."""
+        lo, hi = (0, self.shard_numel) if rows is None else self.row_range(rows)
+        return self.engine.submit_map(self.fd, self.base + lo * self.shard_dtype.itemsize, hi - lo, self.shard_dtype)
+
     def write_shard(self, flat: torch.Tensor) -> None:
         flat = flat.detach().reshape(-1).to("cpu", self.shard_dtype)
         if self.tier == "cpu":
@@ -741,8 +748,8 @@ class ParamStore:
         e = self._entry_for(t, engine_key, tier)
         ticket = next(self._tickets)
         buf, futures = None, []
-        if e.maps:  # the mapping reads ahead by itself (MADV_WILLNEED)
-            buf = e.read_shard(mapped=True) if rows is None else e.read_rows(rows, mapped=True)
+        if e.maps:  # mapped now; its checksum checks (which fault the pages in) run on the I/O threads
+            buf, futures = e.map_ahead(rows)
         elif e.tier == "nvme" and rows is not None:
             buf = e.read_rows(rows, futures)
         elif e.tier == "nvme":
