@@ -690,7 +690,7 @@ def _life(b, movable: bool) -> TensorLife:
         val = next((v for v in val if hasattr(v, "shape")), None)
     return TensorLife(
         id=b.id, name=b.aliases[0].name, graph=b.graph, role=b.role,  # type: ignore[arg-type]
-        nbytes=b.nbytes, size_expr=str(b.size_expr),
+        nbytes=b.nbytes, size_expr=str(b.size_expr) if b.size_expr.free_symbols else str(int(b.size_expr)),
         shape=shape_str(val) if val is not None else "?", dtype=str(getattr(val, "dtype", "?")).replace("torch.", ""),
         def_step=b.def_step, use_steps=b.use_steps, movable=movable,
     )

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from zinf_compile import ir
+from zinf_compile.analysis.recompute import in_floor, rebuild_gaps, recompute_candidates
 from zinf_compile.analysis.sizes import dense_dim_order, shape_str, storage_nbytes, tensor_nbytes
 
 
@@ -243,19 +244,15 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
             ws[s] += b.nbytes
     live = np.cumsum(live)[:n_steps]
     graph_of_step = [st.node.graph for st in steps]
-    orders: dict[fx.Node, list[int] | None] = {}  # dense_dim_order of each alias, once
+    orders: dict[fx.Node, tuple] = {}  # (dense_dim_order, bytes) of each alias, once
     gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step, orders))
     recomputes = ()
     bw = [spec for spec in specs if spec.saved]
     if bw and n_steps:
-        from zinf_compile.analysis.recompute import recompute_candidates
-
         bw_start = next((st.index for st in steps if st.graph == bw[0].role), n_steps)
         recomputes = recompute_candidates(buffers, bw[0].saved, step_of, bw_start, steps)
     cut = ()
     if recomputes:
-        from zinf_compile.analysis.recompute import rebuild_gaps
-
         cut = rebuild_gaps(recomputes, gaps)
     floor = _floor_of(live, buffers, gaps, recomputes)
     return GraphFacts(
@@ -278,8 +275,6 @@ def _floor_of(live: np.ndarray, buffers, gaps, recomputes) -> np.ndarray:
     """Per step, the live bytes when every lever is used: every gap's storage away inside it, and
     every recompute that no gap makes unnecessary or excludes (analysis.recompute.in_floor) freeing
     its storage until its rebuild, which holds the chain's intermediates for a moment."""
-    from zinf_compile.analysis.recompute import in_floor
-
     floor = live.copy()
     for g in gaps:
         floor[g.after + 1:g.before] -= buffers[g.buffer].nbytes
@@ -341,7 +336,7 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
             source = (target if target.op == "placeholder" or step_of[target] <= a else None) if not cross \
                 else _saved_source(b, target, a, step_of)
             if source is not None and _covers(source, b, orders):
-                out.append(Gap(b.id, a, c, source, target, tuple(orders[source])))
+                out.append(Gap(b.id, a, c, source, target, tuple(orders[source][0])))
                 continue
         # several readers, or one that does not cover the storage: a covering base, views rebuilt
         if not all(_static_view(r, b) for r in readers) or (cross and any(r.op != "placeholder" for r in readers)):
@@ -353,7 +348,7 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
         source = bases[0]
         if any(r.meta["val"].dtype != source.meta["val"].dtype for r in readers):
             continue
-        out.append(Gap(b.id, a, c, source, readers[0], tuple(orders[source]), tuple(readers)))
+        out.append(Gap(b.id, a, c, source, readers[0], tuple(orders[source][0]), tuple(readers)))
     return out
 
 
@@ -364,13 +359,14 @@ def _before(n: fx.Node, c: int, step_of: dict) -> bool:
 
 def _covers(n: fx.Node, b: Buffer, orders: dict) -> bool:
     """Whether alias n is one dense tensor over all of b's bytes (`orders` memoizes n's
-    dense_dim_order: an alias is asked once per gap of its buffer)."""
-    val = n.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    if n not in orders:
-        orders[n] = dense_dim_order(val)
-    return orders[n] is not None and tensor_nbytes(val) == b.nbytes
+    dense_dim_order and size: an alias is asked once per gap of its buffer)."""
+    known = orders.get(n)
+    if known is None:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return False
+        known = orders[n] = (dense_dim_order(val), tensor_nbytes(val))
+    return known[0] is not None and known[1] == b.nbytes
 
 
 def _static_view(n: fx.Node, b: Buffer) -> bool:
