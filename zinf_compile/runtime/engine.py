@@ -360,14 +360,7 @@ class OffloadEngine:
     def _run_chunks(self, fn, fd: int, t: torch.Tensor, nbytes: int, base: int = 0) -> None:
         """fn over every chunk of t's bytes, waited for (all of them, even after an error): t's
         bytes are borrowed for the call (`_borrowed_bytes`), so its storage stays resizable."""
-        errors = []
-        for f in self._submit_chunks(fn, fd, t, nbytes, base, view=_borrowed_bytes(t)):
-            try:
-                f.result()
-            except BaseException as e:  # wait for every chunk before raising
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _join(self._submit_chunks(fn, fd, t, nbytes, base, view=_borrowed_bytes(t)))
 
     def _write_chunk(self, fd: int, view, off: int, n: int, base: int = 0) -> None:
         """Bytes [off, off+n) of `view` to the file at base+off (and their blocks' checksums)."""
