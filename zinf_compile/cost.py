@@ -142,9 +142,14 @@ _FREE = {"getitem", "view", "_unsafe_view", "reshape", "permute", "t", "transpos
 def step_cost(profile: DeviceProfile):
     """`node -> (flops, seconds)`: a roofline estimate, max(compute, memory traffic)."""
 
+    free: dict = {}  # target -> whether it costs nothing (asked once per target, not per node)
+
     def cost(node: fx.Node) -> tuple[int, float]:
-        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", getattr(node.target, "__name__", ""))
-        if name in _FREE or str(node.target).startswith("zinf."):
+        t = node.target
+        if t not in free:
+            name = getattr(getattr(t, "overloadpacket", None), "__name__", getattr(t, "__name__", ""))
+            free[t] = name in _FREE or str(t).startswith("zinf.")
+        if free[t]:
             return 0, 0.0
         flops = node_flops(node)
         return flops, max(flops / profile.flops, _bytes_touched(node) / profile.mem_bw)

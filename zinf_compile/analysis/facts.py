@@ -217,7 +217,7 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                 key = t.untyped_storage()._cdata
                 if key not in storages:
                     storages[key] = new_buffer(spec.role, "activation", t, s, node)
-                elif node not in b_aliases[storages[key]]:
+                elif storages[key] not in ids:  # (only this loop adds the node as an alias)
                     b_aliases[storages[key]].append(node)
                 ids.append(storages[key])
             buffer_of[node] = ids
@@ -245,7 +245,8 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
     live = np.cumsum(live)[:n_steps]
     graph_of_step = [st.node.graph for st in steps]
     orders: dict[fx.Node, tuple] = {}  # (dense_dim_order, bytes) of each alias, once
-    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step, orders))
+    reach: dict[fx.Node, tuple] = {}  # (defining step, last reading step) of each alias, once
+    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step, orders, reach))
     recomputes = ()
     bw = [spec for spec in specs if spec.saved]
     if bw and n_steps:
@@ -308,7 +309,7 @@ def _majority_device(devices: list[str], sizes) -> str:
     return "cpu"
 
 
-def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[Gap]:
+def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict, reach: dict) -> list[Gap]:
     """The gaps of a buffer that an offload can use.
 
     A gap qualifies when the buffer is an activation (inputs and outputs are held by the caller,
@@ -316,6 +317,7 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
     (the offload copies it). After the gap, one alias covering the storage densely is the waited
     tensor itself; several aliases, or views that do not cover it (q, k and v of one projection),
     are each rebuilt as a view of the waited storage (static sizes, strides and offsets).
+    `orders` and `reach` memoize per alias what every gap of its buffer asks again.
     """
     if b.role not in ("activation", "saved") or b.nbytes == 0 or b.def_step < 0:
         return []
@@ -326,8 +328,8 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
             continue
         graph = graph_of_step[a]
         # the aliases read from c on in c's graph (its output too: a tensor the forward saves)
-        readers = [u for u in b.aliases if u.graph is graph_of_step[c] and _before(u, c, step_of)
-                   and any(step_of.get(user, -1) >= c or user.op == "output" for user in u.users)]
+        readers = [u for u in b.aliases if u.graph is graph_of_step[c] and _reach(u, step_of, reach)[0] < c
+                   and reach[u][1] >= c]
         if not readers:
             continue
         cross = readers[0].graph is not graph
@@ -341,7 +343,7 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
         # several readers, or one that does not cover the storage: a covering base, views rebuilt
         if not all(_static_view(r, b) for r in readers) or (cross and any(r.op != "placeholder" for r in readers)):
             continue
-        bases = [n for n in b.aliases if n.graph is graph and (n.op == "placeholder" or step_of.get(n, 10**18) <= a)
+        bases = [n for n in b.aliases if n.graph is graph and _reach(n, step_of, reach)[0] <= a
                  and _covers(n, b, orders) and _static_view(n, b) and n.meta["val"].storage_offset() == 0]
         if not bases:
             continue
@@ -352,20 +354,33 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict) -> list[G
     return out
 
 
-def _before(n: fx.Node, c: int, step_of: dict) -> bool:
-    """Whether alias `n` exists before step c (so its later uses must be redirected)."""
-    return n.op == "placeholder" or step_of.get(n, 10**18) < c
+_NEVER = 10**18
+
+
+def _reach(n: fx.Node, step_of: dict, reach: dict) -> tuple[int, int]:
+    """(the step that defines alias n, -1 for a placeholder; the last step that reads it, _NEVER
+    when its graph outputs it), memoized in `reach`. n exists before step c when the first is
+    below c (its later uses must then be redirected); it is read from c on when the second is c
+    or more."""
+    known = reach.get(n)
+    if known is None:
+        born = -1 if n.op == "placeholder" else step_of.get(n, _NEVER)
+        last = max((_NEVER if u.op == "output" else step_of.get(u, -1) for u in n.users), default=-1)
+        known = reach[n] = (born, last)
+    return known
 
 
 def _covers(n: fx.Node, b: Buffer, orders: dict) -> bool:
-    """Whether alias n is one dense tensor over all of b's bytes (`orders` memoizes n's
-    dense_dim_order and size: an alias is asked once per gap of its buffer)."""
+    """Whether alias n is one dense tensor over all of b's bytes. `orders` memoizes n's size and,
+    once the size matches, its dense_dim_order (most views cover part of a storage: their order
+    is never needed)."""
     known = orders.get(n)
     if known is None:
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return False
-        known = orders[n] = (dense_dim_order(val), tensor_nbytes(val))
+        nbytes = tensor_nbytes(val)
+        known = orders[n] = (dense_dim_order(val) if nbytes == b.nbytes else None, nbytes)
     return known[0] is not None and known[1] == b.nbytes
 
 
@@ -384,6 +399,6 @@ def _static_view(n: fx.Node, b: Buffer) -> bool:
 def _saved_source(b: Buffer, target: fx.Node, a: int, step_of: dict) -> fx.Node | None:
     """For a backward placeholder `target`, the one forward node saved into it (the alias the
     forward offloads right after step `a`)."""
-    fw = [n for n in b.aliases if n.op != "placeholder" and step_of.get(n, 10**18) <= a
+    fw = [n for n in b.aliases if n.op != "placeholder" and step_of.get(n, _NEVER) <= a
           and any(u.op == "output" for u in n.users)]
     return fw[0] if len(fw) == 1 else None
