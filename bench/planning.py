@@ -69,7 +69,7 @@ def worker(args) -> dict:
         return dict(layers=args.n, inductor_s=first - eager, eager_step_s=eager)
 
     if args.zinf_src:
-        sys.path.insert(0, os.path.abspath(args.zinf_src))  # before any zinf_compile import
+        _import_from(os.path.abspath(args.zinf_src))
     import zinf_compile.capture as capture_mod
     from zinf_compile.cost import load_profile, step_cost
     from zinf_compile.planner import make_plan
@@ -126,6 +126,24 @@ def worker(args) -> dict:
                    managed_low=len(mplan.params) if not isinstance(mplan, str) else None,
                    managed_error=mplan if isinstance(mplan, str) else None)
     return row
+
+
+def _import_from(src: str) -> None:
+    """zinf_compile from the checkout `src`, before any zinf_compile import. Its passes too: the
+    editable install maps zinf_compile.passes to this checkout's passes/ folder (package-dir), which
+    sys.path alone does not override."""
+    import importlib.util
+
+    sys.path.insert(0, src)
+    import zinf_compile
+
+    init = os.path.join(src, "passes", "__init__.py")
+    spec = importlib.util.spec_from_file_location("zinf_compile.passes", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["zinf_compile.passes"] = zinf_compile.passes = mod
+    spec.loader.exec_module(mod)
+    assert zinf_compile.__file__.startswith(src), zinf_compile.__file__
 
 
 def _run(kind: str, n: int, args, src: str | None = None) -> dict:
