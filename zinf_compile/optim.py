@@ -713,6 +713,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
         fit = min(budgets) // (share * _RING * 5 * 4) // _ALIGN_ELEMS * _ALIGN_ELEMS
         return max(_ALIGN_ELEMS, min(DEFAULT_CHUNK_ELEMS, fit))
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child (RUNTIME's at-fork hook): the parent's worker threads do not exist
+        here, and a job submitted to their executors would never run; the child gets its own when
+        it steps (the NVMe tier's step is refused there: it writes the parent's files)."""
+        self._pool = None
+        self._queue = _StepQueue()
+
     @property
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

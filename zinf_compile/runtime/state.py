@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -180,6 +181,24 @@ class Runtime:
         self.store._fetches.clear()  # the parent's reads in flight: void here
         for e in self.store.entries():
             e.lock = threading.Lock()
+        for opt in list(self.optimizers):
+            opt.after_fork_in_child()
+        recs = sys.modules.get("zinf_compile.records")  # imports nothing in the at-fork hook
+        if recs is not None:
+            recs._lock = threading.Lock()
+        _inductor_after_fork_in_child()
+
+
+def _inductor_after_fork_in_child() -> None:
+    """Inductor's thread pool for C++ compiles (`AsyncCompile.pool`, memoized) survives a fork
+    with none of its threads: torch's own at-fork hook resets only its process pool. A compile in
+    the child (a DataLoader worker recompiles: its torch.set_num_threads(1) fails Dynamo's guard on
+    the thread count) submitted to it and waited forever: the executor's idle count, left by the
+    parent's finished workers, let it start no thread (docs/decisions.md, "Fork safety").
+    Not imported here if the parent never compiled: then nothing to reset."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
 
 
 RUNTIME = Runtime()

@@ -87,13 +87,21 @@ class _Redeliver:
 
     def __call__(self, unraisable) -> None:
         if isinstance(unraisable.exc_value, Terminated) and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            timer = threading.Timer(0.001, _thread.interrupt_main, (signal.SIGTERM,))
-            timer.daemon = True
-            try:
-                timer.start()
-                return
-            except RuntimeError:  # no new thread at interpreter shutdown: the process is exiting anyway
-                pass
+            while True:
+                # The timer's interrupt may land before start() returns (a loaded machine: its 1 ms
+                # passes before the main thread runs again), i.e. still inside this hook, where an
+                # exception is ignored too and the exit would be lost: that exit is caught here and
+                # handed on again, so exactly one stays on its way. The return follows start() in
+                # the try, with no check for signals between them (Python 3.11).
+                try:
+                    timer = threading.Timer(0.001, _thread.interrupt_main, (signal.SIGTERM,))
+                    timer.daemon = True
+                    timer.start()
+                    return
+                except Terminated:
+                    continue
+                except RuntimeError:  # no new thread at interpreter shutdown: the process is exiting anyway
+                    break
         self.previous(unraisable)
 
 
