@@ -125,13 +125,21 @@ def node_flops(node: fx.Node) -> int:
         return 0
 
 
-def _bytes_touched(node: fx.Node) -> int:
+def _bytes_touched(node: fx.Node, known: dict | None = None) -> int:
+    """Bytes of the node's tensor inputs and outputs; `known` memoizes each node's bytes (a value
+    is read by several steps)."""
     total = 0
     for a in [*node.all_input_nodes, node]:
-        v = a.meta.get("val")
-        for t in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(t, torch.Tensor):
-                total += tensor_nbytes(t)
+        n = known.get(a) if known is not None else None
+        if n is None:
+            n = 0
+            v = a.meta.get("val")
+            for t in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(t, torch.Tensor):
+                    n += tensor_nbytes(t)
+            if known is not None:
+                known[a] = n
+        total += n
     return total
 
 
@@ -143,6 +151,7 @@ def step_cost(profile: DeviceProfile):
     """`node -> (flops, seconds)`: a roofline estimate, max(compute, memory traffic)."""
 
     free: dict = {}  # target -> whether it costs nothing (asked once per target, not per node)
+    nbytes: dict = {}  # node -> bytes of its value, once (the closure lives for one analysis)
 
     def cost(node: fx.Node) -> tuple[int, float]:
         t = node.target
@@ -152,6 +161,6 @@ def step_cost(profile: DeviceProfile):
         if free[t]:
             return 0, 0.0
         flops = node_flops(node)
-        return flops, max(flops / profile.flops, _bytes_touched(node) / profile.mem_bw)
+        return flops, max(flops / profile.flops, _bytes_touched(node, nbytes) / profile.mem_bw)
 
     return cost

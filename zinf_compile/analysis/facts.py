@@ -246,7 +246,9 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
     graph_of_step = [st.node.graph for st in steps]
     orders: dict[fx.Node, tuple] = {}  # (dense_dim_order, bytes) of each alias, once
     reach: dict[fx.Node, tuple] = {}  # (defining step, last reading step) of each alias, once
-    gaps = tuple(g for b in buffers if b.device == dev for g in _gaps(b, step_of, graph_of_step, orders, reach))
+    static: dict[fx.Node, bool] = {}  # whether each alias's layout is static, once
+    gaps = tuple(g for b in buffers if b.device == dev
+                 for g in _gaps(b, step_of, graph_of_step, orders, reach, static))
     recomputes = ()
     bw = [spec for spec in specs if spec.saved]
     if bw and n_steps:
@@ -309,7 +311,7 @@ def _majority_device(devices: list[str], sizes) -> str:
     return "cpu"
 
 
-def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict, reach: dict) -> list[Gap]:
+def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict, reach: dict, static: dict) -> list[Gap]:
     """The gaps of a buffer that an offload can use.
 
     A gap qualifies when the buffer is an activation (inputs and outputs are held by the caller,
@@ -317,19 +319,22 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict, reach: di
     (the offload copies it). After the gap, one alias covering the storage densely is the waited
     tensor itself; several aliases, or views that do not cover it (q, k and v of one projection),
     are each rebuilt as a view of the waited storage (static sizes, strides and offsets).
-    `orders` and `reach` memoize per alias what every gap of its buffer asks again.
+    `orders`, `reach` and `static` memoize per alias what every gap of its buffer asks again.
     """
     if b.role not in ("activation", "saved") or b.nbytes == 0 or b.def_step < 0:
         return []
     events = sorted({b.def_step, *b.use_steps})
     out = []
+    spans = None  # (alias, its graph, defining step, last reading step) of each alias, once per buffer
     for a, c in zip(events, events[1:]):
         if c - a < 2:
             continue
+        if spans is None:
+            spans = [(u, u.graph, *_reach(u, step_of, reach)) for u in b.aliases]
         graph = graph_of_step[a]
         # the aliases read from c on in c's graph (its output too: a tensor the forward saves)
-        readers = [u for u in b.aliases if u.graph is graph_of_step[c] and _reach(u, step_of, reach)[0] < c
-                   and reach[u][1] >= c]
+        gc = graph_of_step[c]
+        readers = [u for u, g, born, last in spans if g is gc and born < c <= last]
         if not readers:
             continue
         cross = readers[0].graph is not graph
@@ -341,10 +346,11 @@ def _gaps(b: Buffer, step_of: dict, graph_of_step: list, orders: dict, reach: di
                 out.append(Gap(b.id, a, c, source, target, tuple(orders[source][0])))
                 continue
         # several readers, or one that does not cover the storage: a covering base, views rebuilt
-        if not all(_static_view(r, b) for r in readers) or (cross and any(r.op != "placeholder" for r in readers)):
+        if not all(_static_view(r, b, static) for r in readers) or \
+                (cross and any(r.op != "placeholder" for r in readers)):
             continue
-        bases = [n for n in b.aliases if n.graph is graph and _reach(n, step_of, reach)[0] <= a
-                 and _covers(n, b, orders) and _static_view(n, b) and n.meta["val"].storage_offset() == 0]
+        bases = [n for n, g, born, _ in spans if g is graph and born <= a
+                 and _covers(n, b, orders) and _static_view(n, b, static) and n.meta["val"].storage_offset() == 0]
         if not bases:
             continue
         source = bases[0]
@@ -384,8 +390,14 @@ def _covers(n: fx.Node, b: Buffer, orders: dict) -> bool:
     return known[0] is not None and known[1] == b.nbytes
 
 
-def _static_view(n: fx.Node, b: Buffer) -> bool:
-    """Sizes, strides and offset known as integers (a view of the waited storage can be rebuilt)."""
+def _static_view(n: fx.Node, b: Buffer, static: dict | None = None) -> bool:
+    """Sizes, strides and offset known as integers (a view of the waited storage can be rebuilt),
+    memoized in `static` when given."""
+    if static is not None:
+        known = static.get(n)
+        if known is None:
+            known = static[n] = _static_view(n, b)
+        return known
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return False
