@@ -233,15 +233,24 @@ def analyze(specs: Sequence[GraphSpec], device: str | None = None, step_cost=Non
                    tuple(b_aliases[b]))
         )
 
-    live = np.zeros(n_steps + 1, dtype=np.int64)
-    ws = np.zeros(max(n_steps, 1), dtype=np.int64)
+    # live bytes per step (a difference array) and each step's working set, accumulated at once
+    starts, ends, sizes, ws_at, ws_add = [], [], [], [], []
     for b in buffers:
         if b.device != dev or b.nbytes == 0:
             continue
-        live[max(b.def_step, 0)] += b.nbytes
-        live[b.end_step + 1] -= b.nbytes
-        for s in {*b.use_steps, *( [b.def_step] if b.def_step >= 0 else [])}:
-            ws[s] += b.nbytes
+        starts.append(max(b.def_step, 0))
+        ends.append(b.end_step + 1)
+        sizes.append(b.nbytes)
+        at = set(b.use_steps)
+        if b.def_step >= 0:
+            at.add(b.def_step)
+        ws_at.extend(at)
+        ws_add.extend([b.nbytes] * len(at))
+    live = np.zeros(n_steps + 1, dtype=np.int64)
+    ws = np.zeros(max(n_steps, 1), dtype=np.int64)
+    np.add.at(live, np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+    np.subtract.at(live, np.asarray(ends, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+    np.add.at(ws, np.asarray(ws_at, dtype=np.int64), np.asarray(ws_add, dtype=np.int64))
     live = np.cumsum(live)[:n_steps]
     graph_of_step = [st.node.graph for st in steps]
     orders: dict[fx.Node, tuple] = {}  # (dense_dim_order, bytes) of each alias, once
