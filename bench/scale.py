@@ -29,14 +29,16 @@ infer   A Llama-shaped checkpoint (LlamaForCausalLM's state dict: hidden 8192, M
 train   After the inference files are deleted: a Llama (hidden 5120, MLP 13824, 40 heads, vocab
         32000) built on meta, `materialize`d into NVMe shards (HF's own initialisation), compiled
         with backend="zinf" and trained 3 steps on one batch with zinf's optimizer over
-        torch.optim.SGD(momentum=0.9). The disk decides the size: the NVMe optimizer writes each
-        step's new parameter and states beside the old ones (all or nothing), so at its peak the
-        disk holds 2 x parameters + gradients + 2 x states. SGD with momentum has one state: 5 x 4
-        bytes on disk per parameter for 12 bytes of parameter + gradient + state (ratio 5/3; AdamW:
-        28 for 16, 7/4; Adagrad, one state too, as SGD with momentum). The
-        largest size that fits is (free disk - `--reserve`) / (5/3); when ratio x RAM does not fit,
-        the record says so with these numbers and the run takes the largest that fits. A thread
-        watches the free space and stops the run (SIGTERM: the swap folder goes) below the reserve.
+        torch.optim.SGD(momentum=0.9), `commit="param"` (`--commit`). The disk decides the size.
+        Committing per parameter, the disk holds parameters + gradients + momenta (12 bytes per
+        parameter) plus one parameter's spare records (the largest: the embedding's weight and
+        momentum); so the largest size that fits is free disk - `--reserve` - `--margin` - that.
+        With `--commit step` (all or nothing) each step's new parameters and states go beside the
+        old ones, so at its peak the disk holds 2 x parameters + gradients + 2 x states: 5 x 4 bytes
+        per parameter for 12 counted (ratio 5/3; AdamW 7/4; plain SGD 3/2), and the largest
+        size is (free disk - reserve - margin) / (5/3). When ratio x RAM does not fit, the record
+        says so with these numbers and the run takes the largest that fits. A thread watches the
+        free space and stops the run (SIGTERM: the swap folder goes) below the reserve.
 
 Writes <out>/scale.json (a part run alone keeps the other part's last record). Every file it writes
 goes at the end, also on failure; `--keep` keeps the checkpoint and `--reuse` runs on a kept one
@@ -377,7 +379,7 @@ def train_worker(args) -> dict:
     n = sum(p.numel() for p in model.parameters())
     overhead = _rss.baseline()
     out = dict(params=n, layers=args.layers, param_bytes=4 * n, pgs_bytes=12 * n, budget=args.train_budget,
-               overhead_rss=overhead, optimizer="SGD(lr=%g, momentum=0.9)" % args.lr, seq=args.seq,
+               overhead_rss=overhead, optimizer="SGD(lr=%g, momentum=0.9)" % args.lr, seq=args.seq, commit=args.commit,
                free_disk_before=disk_free(args.offload_dir))
     opts = {"offload": "nvme", "offload_dir": args.offload_dir, "budget": args.train_budget}
     log(f"worker: {n / 1e9:.2f} B parameters, p+g+momentum {12 * n / GB:.1f} GB; materializing")
@@ -390,7 +392,7 @@ def train_worker(args) -> dict:
     _rss.trim()
     _rss.reset_hwm()  # from here: the steps' own peak (the compiles included)
     compiled = torch.compile(model.train(), backend="zinf", options=opts)
-    opt = zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9)
+    opt = zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9, commit=args.commit)
     ids = _ids(cfg.vocab_size, args.seq, args.seed)
     out["losses"], out["step_s"], out["moved"] = [], [], []
     for step in range(args.steps):
@@ -515,29 +517,39 @@ def part_train(args, mem: int) -> dict:
     free = disk_free(args.dir)
     usable = free - args.reserve - args.margin
     disk, pgs = DISK_PER_PARAM["sgd_momentum"]
-    largest = usable * pgs / disk  # parameters + gradients + momentum the disk can hold at the step's peak
+    spare = 2 * 4 * shape["vocab"] * shape["hidden"]  # commit="param": the largest record's weight + momentum
+    if args.commit == "param":
+        largest = usable - spare  # parameters + gradients + momentum, and one parameter's spares
+        why = ("SGD with momentum, committed per parameter: the disk holds parameters + gradients + momenta "
+               "and the largest parameter's two spare records (weight and momentum)")
+    else:
+        largest = usable * pgs / disk  # parameters + gradients + momentum the disk can hold at the step's peak
+        why = ("SGD with momentum, all or nothing per step: one state, so the disk holds 5 shard-sizes (2 "
+               "parameters, 1 gradient, 2 momenta) per 3 counted; AdamW needs 7 per 4, plain SGD has no state")
     target = args.train_ratio * mem
     rec = dict(ram=mem, free_disk=free, reserve=args.reserve, margin=args.margin, usable_disk=usable,
-               target_pgs_bytes=target, largest_pgs_bytes_that_fits=largest, disk_over_pgs=f"{disk}/{pgs}",
-               optimizer_why="SGD with momentum: one state, so the disk holds 5 shard-sizes (2 parameters, "
-                             "1 gradient, 2 momenta) per 3 counted; AdamW needs 7 per 4, plain SGD has no state")
+               target_pgs_bytes=target, largest_pgs_bytes_that_fits=largest, commit=args.commit,
+               disk_over_pgs=f"{disk}/{pgs}" if args.commit == "step" else f"1 + {spare} bytes", optimizer_why=why)
     rec["target_fits"] = target <= largest
     for name, (d, p) in DISK_PER_PARAM.items():
-        rec[f"disk_needed_for_target_{name}"] = target * d / p
+        rec[f"disk_needed_for_target_{name}_commit_step"] = target * d / p
+    rec["disk_needed_for_target_sgd_momentum_commit_param"] = target + spare
     goal = target if rec["target_fits"] else largest
     layers = layers_for(math.floor(goal / 12), shape)
     while not rec["target_fits"] and layers > 1 and 12 * n_params(layers, shape) > goal:
         layers -= 1
     n = n_params(layers, shape)
+    peak = 12 * n + spare if args.commit == "param" else 20 * n
     rec.update(config=dict(shape, layers=layers), params=n, pgs_bytes=12 * n, pgs_vs_ram=12 * n / mem,
-               disk_peak_predicted=20 * n)
+               disk_peak_predicted=peak)
+    need = target + spare if args.commit == "param" else target * disk / pgs
     log(f"train: RAM {mem / GB:.1f} GB; {target / GB:.1f} GB of p+g+s wanted ({args.train_ratio}x RAM) needs "
-        f"{target * disk / pgs / GB:.1f} GB of disk with SGD+momentum; free {free / GB:.1f} GB - reserve "
+        f"{need / GB:.1f} GB of disk with SGD+momentum, commit={args.commit}; free {free / GB:.1f} GB - reserve "
         f"{args.reserve / GB:.0f} - margin {args.margin / GB:.0f} = {usable / GB:.1f} GB usable: "
         f"{'fits' if rec['target_fits'] else 'does NOT fit'}; largest that fits {largest / GB:.1f} GB")
     log(f"train: running {layers} layers, {n / 1e9:.2f} B params, p+g+s {12 * n / GB:.1f} GB "
-        f"= {12 * n / mem:.2f}x RAM, disk at the peak ~{20 * n / GB:.1f} GB")
-    extra = ["--layers", str(layers), "--train-budget", args.train_budget, "--lr", str(args.lr),
+        f"= {12 * n / mem:.2f}x RAM, disk at the peak ~{peak / GB:.1f} GB")
+    extra = ["--layers", str(layers), "--train-budget", args.train_budget, "--lr", str(args.lr), "--commit", args.commit,
              "--steps", str(args.steps), "--reserve", str(args.reserve)]
     extra += [a for k in TRAIN for a in (f"--{k.replace('_', '-')}", str(shape[k]))]
     run = _spawn("train", args, extra, os.path.join(args.dir, "swap-train"))
@@ -604,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forwards", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--commit", choices=("param", "step"), default="param",
+                    help="the NVMe optimizer's commit: per parameter (one spare record on disk) or per step")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reserve", type=float, default=12 * GB, help="free disk never to go below (bytes)")

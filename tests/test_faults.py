@@ -246,6 +246,120 @@ def test_the_quota_hook_fills_up_like_a_small_disk(small_fs):
     _full_disk_during_the_step(fs)
 
 
+# -- commit="param": one parameter's spare records on disk, not every one's -------------------------
+KIB128 = 128 << 10  # each weight of build(), and each of its gradient and AdamW states
+
+
+def test_per_parameter_commit_trains_where_the_spare_slots_do_not_fit(small_fs):
+    """build()'s two 128 KiB weights with AdamW: from step 2 on, all or nothing needs 2 x
+    (parameter + 2 states) + gradient = 7 x 128 KiB per weight (1.75 MiB); committing per
+    parameter needs 4 x 128 KiB per weight plus one weight's 3 spare records (1.375 MiB). On a
+    1.5 MiB disk the first fails at step 2 (nothing applied), the second trains 3 steps
+    bit-identically to torch's AdamW, never holding more than predicted."""
+    fs = small_fs(1536 << 10)
+    ref, model, opt, ref_opt = nvme_model(fs.path)
+    for step in (1, 2):
+        give(model, grads(step, model))
+        if step == 2:
+            with pytest.raises(ZinfError, match=r"(?i)no space left on device.*nothing was applied"):
+                opt.step()
+            break
+        opt.step()
+        opt.zero_grad()
+    zinf_compile.reset()
+    assert fs.files() == []
+
+    ref, model, opt, ref_opt = nvme_model(fs.path)
+    opt.commit = "param"
+    import zinf_compile.optim as zoptim
+
+    peak = []
+    real = zoptim._adam_chunk
+    try:  # the disk's use after each chunk's arithmetic: the records written so far
+        zoptim._adam_chunk = lambda w, v: (peak.append(fs.used()), real(w, v))[1]
+        for step in (1, 2, 3):
+            give(model, grads(step, model))
+            opt.step()
+            opt.zero_grad()
+            step_ref(ref, ref_opt, grads(step, ref))
+            assert_like_ref(model, opt, ref, ref_opt)
+            assert opt.last_step_counts == {"in_backward": 0, "in_step": 2}
+    finally:
+        zoptim._adam_chunk = real
+    held = fs.used()
+    assert max(peak) <= 11 * KIB128 + (64 << 10), max(peak)  # 8 records + one weight's 3 spares, with slack
+    assert held <= 8 * KIB128 + (64 << 10), held  # between steps: the spares are empty
+    spares = [fd for sp in opt._spare.values() for fd in sp.values()]
+    assert len(spares) == 6 and all(os.fstat(fd).st_size == 0 for fd in spares)
+
+
+def test_per_parameter_commit_failing_part_way_keeps_what_it_committed_and_the_retry_ends_the_step(small_fs,
+                                                                                                   monkeypatch):
+    """A full disk at the second weight of step 1: the first weight is stepped and committed, the
+    second and the resident biases are as before, and the error says so; a gradient added to the
+    committed weight before the retry is refused; after space is freed the retry steps only the
+    rest, and the result is torch's AdamW bit for bit. Ctrl-C between the weights of step 2:
+    KeyboardInterrupt as itself, and the retry ends the step the same way."""
+    import zinf_compile.optim as zoptim
+
+    fs = small_fs(4 << 20)
+    ref, model, opt, ref_opt = nvme_model(fs.path)
+    opt.commit = "param"
+    before = snapshot(model, opt)
+    give(model, grads(1, model))
+    fs.fill(leave=3 * KIB128)  # the first weight's new shard and states (its old shard then emptied), not the second's
+    with pytest.raises(ZinfError, match=r"(?i)at parameter '2.weight' \(.*no space left on device.*\).* 1 NVMe-tier "
+                                        r"parameter\(s\) before it in this step are stepped and committed"):
+        opt.step()
+    ref1 = copy.deepcopy(ref)
+    step_ref(ref1, torch.optim.AdamW(ref1.parameters(), **HP), grads(1, ref1))
+    assert torch.equal(whole(model[0].weight), ref1[0].weight.detach())  # committed
+    for (name, p), b in zip(model.named_parameters(), before[0]):
+        if name != "0.weight":
+            assert torch.equal(whole(p), b), name  # as they were
+    fs.unfill()
+    give_grad(model[0].weight, torch.ones(256, 128))
+    with pytest.raises(ZinfError, match=r"'0.weight' was stepped by a step\(\) that failed part-way"):
+        opt.step()
+    opt.zero_grad()  # gives the half step up...
+    give(model, grads(1, model))
+    opt.step()  # ...so this steps every weight again: the first one twice in all
+    assert opt.last_step_counts["in_step"] == 2
+    zinf_compile.reset()
+
+    ref, model, opt, ref_opt = nvme_model(fs.path)
+    opt.commit = "param"
+    give(model, grads(1, model))
+    fs.fill(leave=3 * KIB128)
+    with pytest.raises(ZinfError, match=r"(?i)no space left on device"):
+        opt.step()
+    fs.unfill()
+    opt.step()  # the retry: only the second weight and the biases
+    assert opt.last_step_counts["in_step"] == 1
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(1, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+
+    give(model, grads(2, model))
+    monkeypatch.setattr(zoptim, "FAULT_HOOK",
+                        lambda name: os.kill(os.getpid(), signal.SIGINT) if name == "step:param-committed" else None)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.setattr(zoptim, "FAULT_HOOK", None)
+    opt.step()
+    opt.zero_grad()
+    step_ref(ref, ref_opt, grads(2, ref))
+    assert_like_ref(model, opt, ref, ref_opt)
+
+
+def test_per_parameter_commit_is_refused_with_steps_in_backward_and_by_another_name():
+    model = build()
+    with pytest.raises(ZinfError, match=r"commit='param'.*step_in_backward=True"):
+        optimizer(model, torch.optim.AdamW, step_in_backward=True, commit="param", **HP)
+    with pytest.raises(ZinfError, match=r"commit must be 'step'.*or 'param'.*got 'each'"):
+        optimizer(model, torch.optim.AdamW, commit="each", **HP)
+
+
 def test_full_disk_while_accumulating_a_gradient_keeps_the_previous_sum(small_fs):
     fs = small_fs(4 << 20)
     ref, model, opt, ref_opt = nvme_model(fs.path)

@@ -42,6 +42,18 @@ step left them; the error says so, and calling step() again continues bit-identi
 gradients are only read). The cost: the spare slots, one more shard-sized file per NVMe record
 (parameter and each state: 3 x the shard for Adam); no extra I/O.
 
+Committing per parameter (`commit="param"`), for a disk that cannot hold those spares: each
+NVMe-tier parameter is stepped into its spare slots and committed at once (signals held), and its
+old slots are emptied (truncated: their blocks go back to the file system) before the next
+parameter is written. The disk then holds parameters + gradients + states + one parameter's
+spare records (the largest), instead of twice the parameters and states. A step that fails
+part-way (a full disk, Ctrl-C) leaves the parameters it committed stepped and the others (and the
+resident and CPU-tier ones, stepped last) as they were; the error says how many. Calling step()
+again steps only what is left, so training still continues bit-identically; `zero_grad()` instead
+gives the rest of that step up (the model then holds a half-applied step). A parameter committed
+by the failed attempt that gets more gradient before the retry is refused (ZinfError). Not with
+`step_in_backward` (its new values wait for step() beside the old ones).
+
 Stepping in backward (`step_in_backward=True`; ZeRO-Offload/Infinity overlap the optimizer with
 the backward). Without it, a step with parameters in the NVMe tier writes each gradient to its file
 in the backward and reads it back in step(). With it, each NVMe-tier parameter is stepped inside
@@ -139,7 +151,7 @@ _FORWARD_KEYS = ("params", "param_names")  # group keys that are not hyperparame
 
 
 def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-              overlap: bool = True, **kwargs) -> "ZinfOptimizer":
+              overlap: bool = True, commit: str = "step", **kwargs) -> "ZinfOptimizer":
     """An optimizer of class `cls` over `model`'s parameters (a module, possibly compiled, or an
     iterable of parameters / param-group dicts), stepping managed parameters where they live.
 
@@ -150,9 +162,12 @@ def optimizer(model, cls: type, *, chunk_elems: int | None = None, step_in_backw
     as its gradient is whole, instead of writing the gradient to its file and reading it back at
     step() (see "Stepping in backward" in the module's docstring); `overlap` (with it): those steps
     run on the optimizer's own thread while the backward continues (False: inside the reduce, the
-    backward waiting); the other keyword arguments go to `cls`."""
+    backward waiting); `commit`: "step" (all or nothing per step) or "param" (each NVMe-tier
+    parameter committed as soon as it is written: the disk holds one parameter's spare records
+    instead of every parameter's; see "Committing per parameter" in the module's docstring); the
+    other keyword arguments go to `cls`."""
     return ZinfOptimizer(model, cls, chunk_elems=chunk_elems, step_in_backward=step_in_backward, overlap=overlap,
-                         **kwargs)
+                         commit=commit, **kwargs)
 
 
 def _supported_nvme() -> tuple[type, ...]:
@@ -230,7 +245,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
     """See the module's docstring. Made by `optimizer(model, cls, **kwargs)`."""
 
     def __init__(self, model, cls: type, *, chunk_elems: int | None = None, step_in_backward: bool = False,
-                 overlap: bool = True, **kwargs) -> None:
+                 overlap: bool = True, commit: str = "step", **kwargs) -> None:
         # torch.optim.Optimizer.__init__ is not called: every torch optimizer behaviour is an inner
         # optimizer's. The hook tables are there for the methods inherited from the base class.
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -257,6 +272,15 @@ class ZinfOptimizer(torch.optim.Optimizer):
         self.step_in_backward = bool(step_in_backward)
         if self.step_in_backward:
             _check_in_backward_class(cls, kwargs)
+        if commit not in ("step", "param"):
+            raise ZinfError(f"zinf: commit must be 'step' (all or nothing) or 'param' (per parameter), got {commit!r}")
+        if commit == "param" and self.step_in_backward:
+            raise ZinfError("zinf: commit='param' commits each parameter in step() as soon as it is written; with "
+                            "step_in_backward=True the new values are written during the backward and must wait "
+                            "for step() beside the old ones, so it would save no disk: use one or the other")
+        self.commit = commit
+        # commit="param": id(entry) -> its grad_writes when this step (not yet finished) committed it
+        self._stepped: dict[int, int] = {}
         self._bw = _BackwardSteps()
         self.overlap = bool(overlap)  # steps in backward on the queue's worker thread (else in the reduce)
         self._queue = _StepQueue()
@@ -327,7 +351,11 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 for w in work:
                     if w.entry.reduces:
                         self._bw.expect[id(w.entry)] = w.entry.reduces
-            if work:
+            n_work = len(work)
+            if work and self.commit == "param":
+                self._nvme_step_each(work)
+                work = []  # each committed already
+            elif work:
                 self._nvme_step(work)
             with _deferred_signals():
                 _point("step:commit")
@@ -345,7 +373,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 for w in done:
                     w.entry.reduces = 0  # its gradient was taken: the next step counts afresh
                 self._bw.clear()
-            self.last_step_counts = {"in_backward": len(done), "in_step": len(work)}
+                self._stepped.clear()
+            self.last_step_counts = {"in_backward": len(done), "in_step": n_work}
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -369,6 +398,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
             else:
                 entries.append(e)
         entries += [e for _, _, e in lay.nvme]
+        self._stepped.clear()  # a step that failed half-way (commit="param") is given up
         self._queue.drain()  # no step queued in backward still running while its gradient goes
         STORE.zero_grad(entries)
 
@@ -736,6 +766,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if id(e) in self._bw.work:
                 raise ZinfError(f"zinf: {e.name!r} was stepped in backward and got a gradient since (written "
                                 "outside a backward?); call opt.zero_grad() and run the step again")
+            if id(e) in self._stepped:  # committed by this step's earlier attempt (commit="param")
+                if self._stepped[id(e)] != e.grad_writes:
+                    raise ZinfError(f"zinf: {e.name!r} was stepped by a step() that failed part-way "
+                                    "(commit='param') and got more gradient since; call opt.zero_grad() "
+                                    "and run the step again")
+                continue
             work.append(self._nvme_work(gi, e))
         return work
 
@@ -847,6 +883,34 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if not isinstance(err, Exception):  # Ctrl-C, SystemExit: themselves (nothing applied either)
                 raise
             raise self._nothing_applied(err) from err
+
+    def _nvme_step_each(self, work: list["_Work"]) -> None:
+        """commit="param": each parameter stepped, its new records committed (signals held) and
+        its old ones emptied (their disk blocks freed) before the next one is written, so the disk
+        holds one parameter's spare records at a time. A failure leaves the parameters committed
+        before it stepped (`_stepped`: a retry skips them) and every other one as it was."""
+        for i, w in enumerate(work):
+            try:
+                self._nvme_step([w])
+            except ZinfError as err:
+                raise self._partly_applied(err, w, i, len(work)) from err
+            with _deferred_signals():
+                self._nvme_commit([w])
+                self._stepped[id(w.entry)] = w.entry.grad_writes
+                spare = self._spare.get(id(w.entry), {})
+                for fd in spare.values():
+                    w.engine.swap.discard(fd)
+            _point("step:param-committed")
+
+    def _partly_applied(self, err: ZinfError, w: "_Work", i: int, n: int) -> ZinfError:
+        why = getattr(err, "what", str(err))
+        done = len(self._stepped)
+        return ZinfError(f"zinf: the optimizer step failed in the NVMe tier at parameter {w.entry.name!r} ({why}); "
+                         f"with commit='param' the {done} NVMe-tier parameter(s) before it in this step are stepped "
+                         f"and committed, it and the {n - i - 1} after it are as they were, and so are the resident "
+                         "and CPU-tier parameters; the gradients are kept. Free space (or fix the cause) and call "
+                         "step() again: it steps only what this step has not, so training continues exactly as if "
+                         "the failure had not happened (zero_grad() instead gives the rest of this step up)")
 
     # -- stepping in backward (step_in_backward=True; the module's docstring) ----------------------
     def take_grad(self, e: Entry, part: torch.Tensor, rows: tuple[int, int] | None) -> bool:
@@ -1069,10 +1133,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _nothing_applied(err: BaseException) -> ZinfError:
         what = str(err) if isinstance(err, ZinfError) else f"{type(err).__name__}: {err}"
-        return ZinfError(f"zinf: the optimizer step failed in the NVMe tier ({what}); nothing was applied: "
-                         "every parameter and optimizer state (resident ones too) is as it was before this "
-                         "step, and the gradients are kept. Free space (or fix the cause) and call step() "
-                         "again: training continues exactly as if this attempt had not happened")
+        out = ZinfError(f"zinf: the optimizer step failed in the NVMe tier ({what}); nothing was applied: "
+                        "every parameter and optimizer state (resident ones too) is as it was before this "
+                        "step, and the gradients are kept. Free space (or fix the cause) and call step() "
+                        "again: training continues exactly as if this attempt had not happened")
+        out.what = what  # the cause alone (commit="param" words its own message around it)
+        return out
 
     def _nvme_commit(self, work: list["_Work"]) -> None:
         """Switch each record to the slot the step wrote (and keep the old one as the spare).

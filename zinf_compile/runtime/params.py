@@ -113,6 +113,9 @@ class Entry:
     # gradient contributions (reduces) added since the gradient was last cleared: an optimizer that
     # steps in backward learns from one step how many make the gradient whole (zinf_compile/optim.py)
     reduces: int = 0
+    # every change of the gradient (a contribution, a write, a clip's scale) counts one: an optimizer
+    # committing per parameter tells a retry of a failed step from a gradient that changed since
+    grad_writes: int = 0
     # a weak reference to whatever consumes this entry's gradient as it arrives (a ZinfOptimizer made
     # with step_in_backward=True), or None: `add_grad` offers it each contribution first
     # (`take_grad(entry, part, rows) -> bool`: True when it took it), and clearing the gradient
@@ -336,6 +339,7 @@ class Entry:
         (`g.mul_(coef)`): the CPU tier in place, the NVMe tier when its file is next read."""
         if not self.has_grad:
             return
+        self.grad_writes += 1
         if self.tier == "cpu":
             self.grad.mul_(coef)
         else:
@@ -360,6 +364,7 @@ class Entry:
         shard_dtype; the CPU tier keeps it: there no one may alias it) into the shard gradient,
         unless the entry's gradient sink takes it (an optimizer stepping in backward)."""
         self.reduces += 1
+        self.grad_writes += 1
         sink = self.grad_sink() if self.grad_sink is not None else None
         if sink is not None and sink.take_grad(self, part, rows):
             return
@@ -438,6 +443,7 @@ class Entry:
         self.grad_parts.clear()
 
     def write_grad(self, flat: torch.Tensor) -> None:
+        self.grad_writes += 1
         self._own_file()
         if self.tier == "cpu":
             self.grad = flat

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import secrets
 import shutil
@@ -203,6 +204,17 @@ class SwapDir:
         with self._lock:
             if n in self._fds:
                 self._free.append(n)
+
+    def discard(self, fd: int) -> None:
+        """Empty the file behind fd (its blocks go back to the file system) and forget its
+        checksums; it stays open and owned, to be written from offset 0 again."""
+        lock = self.sum_locks.get(fd)
+        with lock if lock is not None else contextlib.nullcontext():
+            try:
+                os.ftruncate(fd, 0)
+            except OSError as e:
+                raise ZinfError(f"cannot empty {self.describe(fd)}: {e.strerror}") from None
+            self.sums[fd] = {}
 
     def describe(self, fd: int) -> str:
         """'<path> (<what it holds>)' for the file behind fd, for error messages."""
