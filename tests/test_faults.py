@@ -135,6 +135,15 @@ def small_fs(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def python_sigint():
+    """Ctrl-C as Python's default handler raises it, also where the suite was started with SIGINT
+    ignored (a background job: `cmd &` in a script, nohup)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture(autouse=True)
 def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
