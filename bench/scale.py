@@ -31,8 +31,8 @@ train   After the inference files are deleted: a Llama (hidden 5120, MLP 13824, 
         with backend="zinf" and trained 3 steps on one batch with zinf's optimizer over
         torch.optim.SGD(momentum=0.9), `commit="param"` (`--commit`). The disk decides the size.
         Committing per parameter, the disk holds parameters + gradients + momenta (12 bytes per
-        parameter) plus one parameter's spare records (the largest: the embedding's weight and
-        momentum); so the largest size that fits is free disk - `--reserve` - `--margin` - that.
+        parameter) plus one parameter's spare records (the largest, here the embedding: its weight
+        and momentum); so the largest size that fits is free disk - `--reserve` - `--margin` - that.
         With `--commit step` (all or nothing) each step's new parameters and states go beside the
         old ones, so at its peak the disk holds 2 x parameters + gradients + 2 x states: 5 x 4 bytes
         per parameter for 12 counted (ratio 5/3; AdamW 7/4; plain SGD 3/2), and the largest
@@ -517,7 +517,8 @@ def part_train(args, mem: int) -> dict:
     free = disk_free(args.dir)
     usable = free - args.reserve - args.margin
     disk, pgs = DISK_PER_PARAM["sgd_momentum"]
-    spare = 2 * 4 * shape["vocab"] * shape["hidden"]  # commit="param": the largest record's weight + momentum
+    # commit="param": the largest parameter's two spare records (weight + momentum), fp32
+    spare = 2 * 4 * shape["hidden"] * max(shape["vocab"], shape["intermediate"], shape["hidden"])
     if args.commit == "param":
         largest = usable - spare  # parameters + gradients + momentum, and one parameter's spares
         why = ("SGD with momentum, committed per parameter: the disk holds parameters + gradients + momenta "
