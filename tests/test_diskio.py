@@ -107,12 +107,12 @@ def test_auto_goes_direct_when_the_files_outgrow_the_page_cache(llama_nvme, offl
     opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "diskio-direct")}
     with pytest.MonkeyPatch.context() as mp:
         facts = []
-        real = backend._file_facts
+        real = backend.direct_io
 
-        def tiny_cache(*a):
-            facts.append(real(*a))
-            return facts[-1][0], facts[-1][0] - 1  # one byte too few
-        mp.setattr(backend, "_file_facts", tiny_cache)
+        def tiny_cache(option, nbytes, room):
+            facts.append((nbytes, room))
+            return real(option, nbytes, nbytes - 1)  # one byte too few
+        mp.setattr(backend, "direct_io", tiny_cache)
         cm = torch.compile(model, backend="zinf", options=opts)
         with torch.no_grad():
             out = cm(**batch).logits

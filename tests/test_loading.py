@@ -324,6 +324,38 @@ def test_materialize_reads_a_reinitialised_shard_in_place(offload_root, monkeypa
             assert torch.equal(a.detach().clone(), b), name
 
 
+def test_materialize_chooses_o_direct_from_what_it_shards(offload_root, monkeypatch):
+    """materialize writes the swap files, so it makes their O_DIRECT choice (a file keeps its flags;
+    no later compile can): with o_direct="auto", from the bytes of every parameter it shards, x4
+    for their gradients and two optimizer states (grad mode on, trainable), against the free page
+    cache. Facts saying they outgrow it: the shards are O_DIRECT files; one byte more room: not."""
+    import fcntl
+
+    from zinf_compile import backend
+
+    import transformers as tf
+
+    cfg = _llama_config()
+    from zinf_compile.planner import direct_io as real
+
+    for slack, want in ((-1, True), (0, False)):
+        seen = []
+
+        def facts(option, nbytes, room, slack=slack):
+            seen.append(nbytes)
+            return real(option, nbytes, nbytes + slack)
+        monkeypatch.setattr(backend, "direct_io", facts)
+        eager, model = _eager_and_meta(tf.LlamaForCausalLM, cfg, 7)
+        big = sum(p.numel() * 4 for p in model.parameters() if p.numel() * 4 >= PERSIST_BYTES)
+        zinf_compile.materialize(model, options=_opts(offload_root, f"direct{slack}"))
+        assert seen == [4 * big]
+        e = STORE.entry(model.model.layers[0].mlp.up_proj.weight)
+        assert e.engine.direct is want
+        assert bool(fcntl.fcntl(e.fd, fcntl.F_GETFL) & os.O_DIRECT) is want
+        got = zinf_compile.full_state_dict(model)  # read back through those files: eager's values
+        assert [k for k, v in eager.state_dict().items() if not torch.equal(v, got[k])] == []
+
+
 def test_materialize_refuses_a_parameter_nothing_initialises(offload_root):
     class Scale(torch.nn.Module):
         def __init__(self) -> None:

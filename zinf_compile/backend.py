@@ -86,7 +86,10 @@ class Session:
     token: int = 0  # the _CompiledToken of the function this backend call returns
 
     @staticmethod
-    def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = (), token: int = 0) -> "Session":
+    def start(cfg: ZinfConfig, device: str, params: tuple[ParamInfo, ...] = (), token: int = 0,
+              file_bytes: int | None = None) -> "Session":
+        """`file_bytes`: what the run will keep in swap files, where the caller knows it better than
+        `params` say (materialize and load_pretrained: every parameter they shard)."""
         tier = cfg.tier_for(device)
         from zinf_compile.runtime.params import world
 
@@ -99,7 +102,8 @@ class Session:
         engine = register_engine(key, tier, cfg.offload_dir, cfg.io_threads, cfg.o_direct)
         engine.checksums = cfg.checksums  # the key covers it: this engine's files all have sums or none
         if tier == "nvme":
-            engine.choose_direct(direct_io(cfg.o_direct, *_file_facts(device, cfg.budget, params)))
+            nbytes = file_bytes if file_bytes is not None else _params_file_bytes(params)
+            engine.choose_direct(direct_io(cfg.o_direct, nbytes, _cache_room(device, cfg.budget)))
         if device == "cpu" and tier == "nvme" and cfg.malloc_mmap_threshold:
             _pin_mmap_threshold(cfg.malloc_mmap_threshold)
         group = None
@@ -404,18 +408,24 @@ def _free_device_memory(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _file_facts(device: str, budget: int | None, params: tuple[ParamInfo, ...]) -> tuple[int, int]:
-    """(bytes the run may keep in swap files, page cache free for them), for planner.direct_io:
-    the parameters, and when training their gradients and two optimizer states; the memory
-    available now, less a budget given where the graphs compute in it (a CPU device; the default
-    budget, all that is free, is a ceiling the graphs do not fill)."""
+def file_bytes(param_bytes: int, trained: bool) -> int:
+    """Bytes a run may keep in swap files, for planner.direct_io: the parameters, and when they
+    are trained (grad mode on, some require grad) their gradients and two optimizer states."""
+    return param_bytes * (4 if trained and torch.is_grad_enabled() else 1)
+
+
+def _params_file_bytes(params: tuple[ParamInfo, ...]) -> int:
+    return file_bytes(sum(p.nbytes for p in params), any(p.requires_grad for p in params))
+
+
+def _cache_room(device: str, budget: int | None) -> int:
+    """The page cache free for swap files, for planner.direct_io: the memory available now, less a
+    budget given where the graphs compute in it (a CPU device; the default budget, all that is
+    free, is a ceiling the graphs do not fill)."""
     import psutil
 
-    nbytes = sum(p.nbytes for p in params)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        nbytes *= 4
     room = int(psutil.virtual_memory().available) - ((budget or 0) if device == "cpu" else 0)
-    return nbytes, max(room, 0)
+    return max(room, 0)
 
 
 def _graph_device(example_inputs) -> str:

@@ -211,7 +211,7 @@ def _new_param(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
 class _Placer:
     """Puts parameter values where the options say: a shard in the tier (large ones) or memory."""
 
-    def __init__(self, options: dict | None, device: str | torch.device) -> None:
+    def __init__(self, options: dict | None, device: str | torch.device, params=()) -> None:
         from zinf_compile.backend import Session
         from zinf_compile.config import ZinfConfig
 
@@ -219,7 +219,16 @@ class _Placer:
         self.device = torch.device(device)
         if self.device.type == "meta":
             raise ZinfError("zinf: device must be a real device (where the model will compute), not meta")
-        self.session = Session.start(self.cfg, self.device.type) if self.cfg.params != "resident" else None
+        self.session = None
+        if self.cfg.params != "resident":
+            # the swap files are written here, so their O_DIRECT choice is made here (a file keeps its
+            # flags): from the bytes of every parameter this will shard, as a compile counts them
+            from zinf_compile.backend import file_bytes
+            from zinf_compile.planner import PERSIST_BYTES
+
+            big = [p for p in params if p.numel() * p.element_size() >= PERSIST_BYTES]
+            nbytes = file_bytes(sum(p.numel() * p.element_size() for p in big), any(p.requires_grad for p in big))
+            self.session = Session.start(self.cfg, self.device.type, file_bytes=nbytes)
         self.master = getattr(torch, self.cfg.master_dtype) if self.cfg.master_dtype else None
 
     def sharded(self, t: torch.Tensor) -> bool:
@@ -335,7 +344,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     if unexpected:
         warnings.warn(f"zinf: {ckpt.path} holds {len(unexpected)} tensor(s) the model does not use: "
                       f"{_listed(unexpected)}", stacklevel=2)
-    placer = _Placer(options, device)
+    placer = _Placer(options, device, [s.obj for s in params])
     done: set[int] = set()
     order = sorted(kmap, key=lambda k: (ckpt.tensors[k].file, ckpt.tensors[k].start))  # sequential reads
     for k in order:
@@ -568,7 +577,7 @@ def materialize(model: nn.Module, options: dict | None = None, *,
     (load it with load_pretrained instead). Parameters that are not on meta keep their values.
     Returns `model`."""
     _tie(model)
-    placer = _Placer(options, device)
+    placer = _Placer(options, device, [p for p in model.parameters() if p.is_meta])
     init = _Initializer(model, placer)
     metas = {id(s): s.obj for s in init.slots}
     init.start()
