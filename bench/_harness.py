@@ -179,6 +179,13 @@ def engine_bytes() -> dict:
     return out
 
 
+def engines_direct() -> bool:
+    """Whether any of this process's NVMe engines has O_DIRECT swap files."""
+    from zinf_compile.runtime.state import RUNTIME
+
+    return any(e.direct for e in RUNTIME.engines.values())
+
+
 # set (to "1") in a benchmark's environment: measure_steps drops the page cache before each timed
 # step, so the workers of benchmarks that share a parent (bench params) run cold without new options
 COLD_ENV = "ZINF_BENCH_COLD"

@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -67,6 +68,7 @@ TRAIN = dict(hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32000
 SMALL = dict(hidden=256, intermediate=688, heads=4, kv_heads=2, vocab=1000, layers=2)
 WRITTEN = "zinf-written.json"  # the writer's numbers, beside the checkpoint
 DISK_PER_PARAM = {"sgd_momentum": (5, 3), "adamw": (7, 4), "sgd": (3, 2)}  # (disk, p+g+s) shard-sizes
+
 
 
 def log(msg: str) -> None:
@@ -361,6 +363,50 @@ def _disk_watch(path: str, reserve: int, seen: dict) -> None:
         time.sleep(1.0)
 
 
+STATES = {"sgd_momentum": 1, "adamw": 2}  # optimizer states per parameter
+
+
+def _make_optimizer(model, args):
+    import torch
+
+    import zinf_compile
+
+    if args.optimizer == "adamw":
+        return zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr, commit=args.commit,
+                                      step_in_backward=bool(args.step_in_backward)), f"AdamW(lr={args.lr:g})"
+    return (zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9, commit=args.commit,
+                                   step_in_backward=bool(args.step_in_backward)),
+            f"SGD(lr={args.lr:g}, momentum=0.9)")
+
+
+def _dd_write(folder: str, mib: int = 2048) -> dict:
+    """The disk's direct write bandwidth (`dd oflag=direct bs=16M conv=fsync`) and then its direct
+    read bandwidth over the same file (`_dd`: iflag=direct, past the page cache); the file goes."""
+    f = os.path.join(folder, "dd-probe.bin")
+    try:
+        p = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={mib // 16}", "oflag=direct",
+                           "conv=fsync"], capture_output=True, text=True, timeout=1800)
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
+        w = (dict(bytes=int(m.group(1)), s=float(m.group(2)), Bps=int(m.group(1)) / float(m.group(2)))
+             if m and not p.returncode else dict(error=p.stderr[-300:]))
+        return dict(write=w, read=_dd(f))
+    finally:
+        if os.path.exists(f):
+            os.remove(f)
+
+
+def _matmul_rate(threads: int) -> float:
+    """FLOP/s of a 2048^3 fp32 matmul on this process's threads (the compute estimate's rate)."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 2048 ** 3 / (time.perf_counter() - t0)
+
+
 def train_worker(args) -> dict:
     import torch
 
@@ -377,25 +423,32 @@ def train_worker(args) -> dict:
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
+    per = 4 * (2 + STATES[args.optimizer])
     overhead = _rss.baseline()
-    out = dict(params=n, layers=args.layers, param_bytes=4 * n, pgs_bytes=12 * n, budget=args.train_budget,
-               overhead_rss=overhead, optimizer="SGD(lr=%g, momentum=0.9)" % args.lr, seq=args.seq, commit=args.commit,
-               free_disk_before=disk_free(args.offload_dir))
+    out = dict(params=n, layers=args.layers, param_bytes=4 * n, pgs_bytes=per * n, budget=args.train_budget,
+               overhead_rss=overhead, seq=args.seq, commit=args.commit, cold=bool(args.cold),
+               step_in_backward=bool(args.step_in_backward), free_disk_before=disk_free(args.offload_dir))
+    out["bandwidth"] = _dd_write(args.offload_dir)
+    log(f"worker: disk direct write/read {out['bandwidth']}")
     opts = {"offload": "nvme", "offload_dir": args.offload_dir, "budget": args.train_budget}
-    log(f"worker: {n / 1e9:.2f} B parameters, p+g+momentum {12 * n / GB:.1f} GB; materializing")
+    log(f"worker: {n / 1e9:.2f} B parameters, p+g+states {per * n / GB:.1f} GB; materializing")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     zinf_compile.materialize(model, opts)
     out["materialize_s"] = time.perf_counter() - t0
     out["materialize_peak_over_overhead"] = _rss.hwm() - overhead
-    log(f"worker: materialized in {out['materialize_s']:.1f} s, VmHWM +{out['materialize_peak_over_overhead'] / MiB:.0f} MiB")
+    out["o_direct"] = bool(_harness.engines_direct())
+    log(f"worker: materialized in {out['materialize_s']:.1f} s, VmHWM +{out['materialize_peak_over_overhead'] / MiB:.0f} "
+        f"MiB, O_DIRECT swap files: {out['o_direct']}")
     _rss.trim()
     _rss.reset_hwm()  # from here: the steps' own peak (the compiles included)
     compiled = torch.compile(model.train(), backend="zinf", options=opts)
-    opt = zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9, commit=args.commit)
+    opt, out["optimizer"] = _make_optimizer(model, args)
     ids = _ids(cfg.vocab_size, args.seq, args.seed)
     out["losses"], out["step_s"], out["moved"] = [], [], []
     for step in range(args.steps):
+        if args.cold:
+            _harness.drop_caches()
         before = _harness.engine_bytes()
         t0 = time.perf_counter()
         loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
@@ -406,7 +459,8 @@ def train_worker(args) -> dict:
         out["losses"].append(float(loss.detach()))
         out["moved"].append({k: v - before[k] for k, v in _harness.engine_bytes().items()})
         out.setdefault("swap_bytes_after_step", []).append(_harness.disk_usage(args.offload_dir))
-        log(f"worker: step {step + 1}: loss {out['losses'][-1]:.4f}, {out['step_s'][-1]:.1f} s, free disk "
+        log(f"worker: step {step + 1}: loss {out['losses'][-1]:.4f}, {out['step_s'][-1]:.1f} s, read "
+            f"{out['moved'][-1]['read'] / GB:.1f} GB, written {out['moved'][-1]['written'] / GB:.1f} GB, free disk "
             f"{disk_free(args.offload_dir) / GB:.1f} GB (least {seen.get('min_free', 0) / GB:.1f}), zinf's "
             f"files {out['swap_bytes_after_step'][-1] / GB:.1f} GB")
     out["steps_peak_over_overhead"] = _rss.hwm() - overhead
@@ -416,6 +470,7 @@ def train_worker(args) -> dict:
     out["free_disk_drop"] = out["free_disk_before"] - out["min_free_disk"] if out["min_free_disk"] else None
     out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
                          lower_bound=p.lower_bound, tiles=len(p.tiles)) for p in zinf_compile.last_plans()]
+    out["matmul_flops"] = _matmul_rate(args.threads)
     return out
 
 
@@ -516,47 +571,73 @@ def part_train(args, mem: int) -> dict:
     shape = dict(TRAIN, **json.loads(args.train_shape or "{}"))
     free = disk_free(args.dir)
     usable = free - args.reserve - args.margin
-    disk, pgs = DISK_PER_PARAM["sgd_momentum"]
-    # commit="param": the largest parameter's two spare records (weight + momentum), fp32
-    spare = 2 * 4 * shape["hidden"] * max(shape["vocab"], shape["intermediate"], shape["hidden"])
+    k = STATES[args.optimizer]
+    per = 4 * (2 + k)  # bytes per parameter: parameter, gradient, states (fp32)
+    disk, pgs = DISK_PER_PARAM[args.optimizer]
+    # commit="param": the largest parameter's spare records (weight + its states), fp32
+    spare = (1 + k) * 4 * shape["hidden"] * max(shape["vocab"], shape["intermediate"], shape["hidden"])
     if args.commit == "param":
-        largest = usable - spare  # parameters + gradients + momentum, and one parameter's spares
-        why = ("SGD with momentum, committed per parameter: the disk holds parameters + gradients + momenta "
-               "and the largest parameter's two spare records (weight and momentum)")
+        largest = usable - spare  # parameters + gradients + states, and one parameter's spares
+        why = (f"{args.optimizer}, committed per parameter: the disk holds parameters + gradients + states "
+               "and the largest parameter's spare records (weight and states)")
     else:
-        largest = usable * pgs / disk  # parameters + gradients + momentum the disk can hold at the step's peak
-        why = ("SGD with momentum, all or nothing per step: one state, so the disk holds 5 shard-sizes (2 "
-               "parameters, 1 gradient, 2 momenta) per 3 counted; AdamW needs 7 per 4, plain SGD has no state")
+        largest = usable * pgs / disk  # parameters + gradients + states the disk can hold at the step's peak
+        why = (f"{args.optimizer}, all or nothing per step: the disk holds {disk} shard-sizes per {pgs} counted "
+               "(SGD+momentum 5/3, AdamW 7/4, plain SGD 3/2)")
     target = args.train_ratio * mem
     rec = dict(ram=mem, free_disk=free, reserve=args.reserve, margin=args.margin, usable_disk=usable,
                target_pgs_bytes=target, largest_pgs_bytes_that_fits=largest, commit=args.commit,
+               train_ratio=args.train_ratio, optimizer_name=args.optimizer,
                disk_over_pgs=f"{disk}/{pgs}" if args.commit == "step" else f"1 + {spare} bytes", optimizer_why=why)
     rec["target_fits"] = target <= largest
     for name, (d, p) in DISK_PER_PARAM.items():
         rec[f"disk_needed_for_target_{name}_commit_step"] = target * d / p
-    rec["disk_needed_for_target_sgd_momentum_commit_param"] = target + spare
+    rec[f"disk_needed_for_target_{args.optimizer}_commit_param"] = target + spare
     goal = target if rec["target_fits"] else largest
-    layers = layers_for(math.floor(goal / 12), shape)
-    while not rec["target_fits"] and layers > 1 and 12 * n_params(layers, shape) > goal:
+    layers = layers_for(math.floor(goal / per), shape)
+    while not rec["target_fits"] and layers > 1 and per * n_params(layers, shape) > goal:
         layers -= 1
     n = n_params(layers, shape)
-    peak = 12 * n + spare if args.commit == "param" else 20 * n
-    rec.update(config=dict(shape, layers=layers), params=n, pgs_bytes=12 * n, pgs_vs_ram=12 * n / mem,
+    peak = per * n + spare if args.commit == "param" else per * n * disk // pgs
+    rec.update(config=dict(shape, layers=layers), params=n, pgs_bytes=per * n, pgs_vs_ram=per * n / mem,
                disk_peak_predicted=peak)
     need = target + spare if args.commit == "param" else target * disk / pgs
     log(f"train: RAM {mem / GB:.1f} GB; {target / GB:.1f} GB of p+g+s wanted ({args.train_ratio}x RAM) needs "
-        f"{need / GB:.1f} GB of disk with SGD+momentum, commit={args.commit}; free {free / GB:.1f} GB - reserve "
+        f"{need / GB:.1f} GB of disk with {args.optimizer}, commit={args.commit}; free {free / GB:.1f} GB - reserve "
         f"{args.reserve / GB:.0f} - margin {args.margin / GB:.0f} = {usable / GB:.1f} GB usable: "
         f"{'fits' if rec['target_fits'] else 'does NOT fit'}; largest that fits {largest / GB:.1f} GB")
-    log(f"train: running {layers} layers, {n / 1e9:.2f} B params, p+g+s {12 * n / GB:.1f} GB "
-        f"= {12 * n / mem:.2f}x RAM, disk at the peak ~{peak / GB:.1f} GB")
+    log(f"train: running {layers} layers, {n / 1e9:.2f} B params, p+g+s {per * n / GB:.1f} GB "
+        f"= {per * n / mem:.2f}x RAM, disk at the peak ~{peak / GB:.1f} GB")
     extra = ["--layers", str(layers), "--train-budget", args.train_budget, "--lr", str(args.lr), "--commit", args.commit,
-             "--steps", str(args.steps), "--reserve", str(args.reserve)]
+             "--steps", str(args.steps), "--reserve", str(args.reserve), "--optimizer", args.optimizer,
+             "--cold", str(int(args.cold)), "--step-in-backward", str(int(args.step_in_backward))]
     extra += [a for k in TRAIN for a in (f"--{k.replace('_', '-')}", str(shape[k]))]
     run = _spawn("train", args, extra, os.path.join(args.dir, "swap-train"))
     rec.update(run)
+    rec["io"] = _train_io(rec)
     rec["checks"] = _train_checks(rec)
     return rec
+
+
+def _train_io(r: dict) -> dict:
+    """The steps after the first (which compiles) against their I/O bound: bytes read / the disk's
+    direct read bandwidth + bytes written / its direct write bandwidth (one disk serves both), or
+    the compute if larger: estimated as 6 x parameters x tokens FLOPs (forward and backward) at the
+    rate of a 2048^3 matmul measured in the worker."""
+    bw = r.get("bandwidth", {})
+    rd, wr = bw.get("read", {}).get("Bps"), bw.get("write", {}).get("Bps")
+    later = list(range(1, len(r["step_s"])))
+    if not (rd and wr and later):
+        return dict(error="no bandwidth measured, or one step only")
+    read = statistics.median(r["moved"][i]["read"] for i in later)
+    written = statistics.median(r["moved"][i]["written"] for i in later)
+    io = read / rd + written / wr
+    compute = 6 * r["params"] * r["seq"] / r["matmul_flops"]
+    step = statistics.median(r["step_s"][i] for i in later)
+    bound = max(io, compute)
+    return dict(read_per_step=read, written_per_step=written, moved_per_step=read + written, read_Bps=rd,
+                write_Bps=wr, io_s=io, compute_estimate_s=compute, bound_s=bound, step_s=step,
+                step_vs_bound=step / bound, moved_Bps=(read + written) / step)
 
 
 def _train_checks(r: dict) -> dict:
@@ -567,9 +648,13 @@ def _train_checks(r: dict) -> dict:
     average): 11.39 for hidden 5120 and vocab 32000."""
     ls, cfg = r["losses"], r["config"]
     expect = math.log(cfg["vocab"]) + (0.02 ** 2 * cfg["hidden"]) / 2
-    return dict(pgs_at_least_2_5x_ram=r["pgs_vs_ram"] >= 2.5, losses_finite=all(map(math.isfinite, ls)),
-                first_loss_expected=expect, first_loss_near_expected=abs(ls[0] - expect) < 0.5,
-                loss_decreases=ls[-1] < ls[0])
+    c = dict(pgs_exceeds_ram=r["pgs_vs_ram"] > 1, pgs_at_least_ratio_x_ram=r["pgs_vs_ram"] >= r["train_ratio"],
+             losses_finite=all(map(math.isfinite, ls)), first_loss_expected=expect,
+             first_loss_near_expected=abs(ls[0] - expect) < 0.5, loss_decreases=ls[-1] < ls[0])
+    if "step_vs_bound" in r.get("io", {}):
+        c["step_vs_io_bound"] = r["io"]["step_vs_bound"]
+        c["step_within_1_3x_bound"] = r["io"]["step_vs_bound"] <= 1.3
+    return c
 
 
 def parent(args) -> int:
@@ -619,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--commit", choices=("param", "step"), default="param",
                     help="the NVMe optimizer's commit: per parameter (one spare record on disk) or per step")
+    ap.add_argument("--optimizer", choices=("sgd_momentum", "adamw"), default="sgd_momentum")
+    ap.add_argument("--cold", type=int, default=0, help="drop the page cache before each training step (root)")
+    ap.add_argument("--step-in-backward", type=int, default=0, help="zinf's optimizer stepping in the backward")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reserve", type=float, default=12 * GB, help="free disk never to go below (bytes)")

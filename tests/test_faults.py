@@ -1260,3 +1260,103 @@ def test_the_checksums_option_turns_the_checks_off(tmp_path):
         _restore_record(e.fd, saved)
         assert torch.equal(cm(x), out)
     zinf_compile.reset()
+
+
+# -- a backward that does not complete --------------------------------------------------------------
+class _Reduce(torch.autograd.Function):
+    """Identity forward; its backward adds a fixed gradient to parameter `w`'s shard through the
+    store, as a compiled backward's reduce does (inside autograd's backward, one graph task)."""
+
+    @staticmethod
+    def forward(ctx, x, w, g):
+        ctx.w, ctx.g = w, g
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, up):
+        STORE.reduce_grad(ctx.w, ctx.g)
+        return up, None, None
+
+
+class _Boom(torch.autograd.Function):
+    """Identity; its backward raises while `armed` (an error anywhere in a backward: a kernel's,
+    a full disk's in another reduce, Ctrl-C)."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, up):
+        if _Boom.armed:
+            raise RuntimeError("boom in the backward")
+        return up
+
+
+def _backward(model, gs, fail: bool) -> None:
+    """A backward whose reduces give model[2].weight then model[0].weight their gradients in `gs`,
+    with an error between the two when `fail`."""
+    w0, w2 = model[0].weight, model[2].weight
+    x = torch.zeros(4, requires_grad=True)
+    y = _Reduce.apply(_Boom.apply(_Reduce.apply(x, w0, gs[0])), w2, gs[2])
+    _Boom.armed = fail
+    try:
+        y.sum().backward()
+    finally:
+        _Boom.armed = False
+
+
+def test_a_backward_that_fails_half_way_is_rolled_back(tmp_path):
+    """An error in the middle of a backward, after it added some gradients: a step refuses (nothing
+    stepped, the error says why) and the gradients it started are gone; the backward run again, or
+    the same after the refused step, gives the parameters and states a clean run gives, bit for
+    bit. A gradient it added to an earlier sum cannot be restored: it is marked partial, a step or
+    a reduce into it names it, zero_grad clears it."""
+    ref, model, opt, ref_opt = nvme_model(str(tmp_path / "a"))
+    gs = [g.clone() for g in grads(1, model)]
+    for i in (1, 3):  # the biases: resident, as a backward would leave them
+        list(model.parameters())[i].grad = gs[i].clone()
+    e0, e2 = STORE.entry(model[0].weight), STORE.entry(model[2].weight)
+    snap = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="boom"):
+        _backward(model, gs, fail=True)
+    assert e2.has_grad and not e0.has_grad  # half way: one of the two reduces ran
+    with pytest.raises(ZinfError, match="did not complete.*removed"):
+        opt.step()
+    assert_snapshot(model, opt, snap)
+    assert not e2.has_grad and not e0.has_grad
+    _backward(model, gs, fail=False)  # run again
+    opt.step()
+    step_ref(ref, ref_opt, gs)
+    assert_like_ref(model, opt, ref, ref_opt)
+
+    # the retry straight after the failure (no step between): as if the failed one never ran
+    opt.zero_grad()
+    gs = grads(2, model)
+    for i in (1, 3):
+        list(model.parameters())[i].grad = gs[i].clone()
+    with pytest.raises(RuntimeError, match="boom"):
+        _backward(model, gs, fail=True)
+    _backward(model, gs, fail=False)
+    opt.step()
+    step_ref(ref, ref_opt, gs)
+    assert_like_ref(model, opt, ref, ref_opt)
+
+    # a gradient summed over two backwards, the second failing after adding to it: partial
+    opt.zero_grad()
+    _backward(model, gs, fail=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        _backward(model, gs, fail=True)
+    with pytest.raises(ZinfError, match=r"1 parameter\(s\) \('2.weight'\).*zero_grad"):
+        opt.step()
+    with pytest.raises(ZinfError, match="'2.weight' holds part of a backward"):
+        _backward(model, gs, fail=False)
+    opt.zero_grad()
+    assert not e2.grad_partial and not e2.has_grad
+    _backward(model, gs, fail=False)
+    for i in (1, 3):
+        list(model.parameters())[i].grad = gs[i].clone()
+    opt.step()
+    step_ref(ref, ref_opt, gs)
+    assert_like_ref(model, opt, ref, ref_opt)

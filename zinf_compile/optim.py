@@ -339,8 +339,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            settled = STORE.settle_backward()  # a backward that did not complete: its gradients rolled back
             self._settle()  # the steps queued in backward: done (normally already, at the backward's end)
             self._check_backward_steps()
+            self._check_backward_completed(settled)
             self._push_hyper()
             # All or nothing: the NVMe tier (the only part doing I/O) writes its new values beside
             # the old ones first (some already did, in backward: self._bw); only when all are
@@ -391,10 +393,12 @@ class ZinfOptimizer(torch.optim.Optimizer):
             return
         if lay.res_opt is not None:
             lay.res_opt.zero_grad(set_to_none)
+        STORE.settle_backward()  # before the in-place zeroing below, which it would mark partial
         entries = []
         for _, _, e in lay.cpu:
             if not set_to_none and e.has_grad and e.grad is not None:
                 e.grad.zero_()
+                e.grad_partial = False
             else:
                 entries.append(e)
         entries += [e for _, _, e in lay.nvme]
@@ -969,6 +973,23 @@ class ZinfOptimizer(torch.optim.Optimizer):
                 functools.partial(_backward_done, weakref.ref(self), task))
         _point("step-in-backward:stepped")
         return True
+
+    def _check_backward_completed(self, settled: list[str] | None) -> None:
+        """Refuse to step on the gradients of a backward that did not complete (an error or Ctrl-C
+        in it, caught by the caller): the store rolls it back first (the gradients it started are
+        dropped: as before it), then this raises, saying so, and names any gradient left partial
+        (one it added to an earlier sum) or still partial from an earlier such backward."""
+        lay = self._layout
+        partial = [e.name for _, _, e in lay.cpu + lay.nvme if e.grad_partial]
+        if settled is None and not partial:
+            return
+        what = ("the last backward did not complete; the gradients it started were removed, so every gradient "
+                "is as it was before it" if settled is not None else "")
+        if partial:
+            what += ("; " if what else "") + (f"the gradients of {len(partial)} parameter(s) ({', '.join(map(repr, partial[:4]))}"
+                                               f"{' ...' if len(partial) > 4 else ''}) hold part of a backward that did "
+                                               "not complete, added to an earlier sum: call zero_grad() first")
+        raise ZinfError(f"zinf: nothing was stepped: {what}. Run the backward again, then step")
 
     def _queue_step(self, w: "_Work", part: torch.Tensor, rows: tuple[int, int] | None, chunk: int) -> None:
         """overlap=True: hand `w`'s step to the queue's worker, with a gradient of its own (`part`

@@ -19,6 +19,7 @@ swapped at take-over is re-keyed: aliases made of the old one before, if any, ar
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -116,6 +117,9 @@ class Entry:
     # every change of the gradient (a contribution, a write, a clip's scale) counts one: an optimizer
     # committing per parameter tells a retry of a failed step from a gradient that changed since
     grad_writes: int = 0
+    # the gradient holds part of a backward that did not complete, added to an earlier sum: reading
+    # or adding to it raises until it is cleared (ParamStore.settle_backward)
+    grad_partial: bool = False
     # a weak reference to whatever consumes this entry's gradient as it arrives (a ZinfOptimizer made
     # with step_in_backward=True), or None: `add_grad` offers it each contribution first
     # (`take_grad(entry, part, rows) -> bool`: True when it took it), and clearing the gradient
@@ -503,6 +507,57 @@ class ParamStore:
         self._tickets = itertools.count(1)
         self._sources: dict[str, int] = {}  # a file read in place -> its read-only descriptor (process-long)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
+        # the backward now adding gradients (autograd's graph task id; None between backwards), and
+        # the entries it added to: id(entry) -> (entry, whether it held a gradient before, its counters
+        # then). A backward that ends without completing (an error anywhere in it, Ctrl-C) is
+        # rolled back by the next reduce or step (`settle_backward`); see "A failed backward"
+        # in docs/decisions.md
+        self._bw_task: int | None = None
+        self._bw_touched: dict[int, tuple] = {}
+
+    def _note_backward(self, e: Entry) -> None:
+        """A reduce of `e` in a backward: a new backward (the last one, if it never completed, is
+        rolled back first) queues its completion with autograd; `e`'s state before it is noted."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            return  # not in a backward (a take-over's gradient)
+        with self._lock:
+            if self._bw_task != task:
+                self.settle_backward()  # a backward run again after a failed one: as if it were the first
+                self._bw_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(self._backward_completed, task))
+            if id(e) not in self._bw_touched:
+                self._bw_touched[id(e)] = (e, e.has_grad, e.reduces, e.grad_writes)
+
+    def _backward_completed(self, task: int) -> None:
+        with self._lock:
+            if self._bw_task == task:
+                self._bw_task, self._bw_touched = None, {}
+
+    def settle_backward(self) -> list[str] | None:
+        """Roll back a backward that added gradients and never completed: the gradients it started
+        (none before it) are dropped, so the parameters' gradients are as before it and running it
+        again gives what it would have given; those it added to (a sum of earlier backwards) cannot
+        be restored and are marked partial: reading or adding to them raises until zero_grad.
+        Returns None when there was nothing to roll back, else the names marked partial. Called by
+        the next backward's first reduce and by the optimizer's step; one comparison after a
+        backward that completed."""
+        with self._lock:
+            if self._bw_task is None or self._bw_task == torch._C._current_graph_task_id():
+                return None
+            touched, self._bw_task, self._bw_touched = self._bw_touched, None, {}
+        partial = []
+        for e, had, reduces, writes in touched.values():
+            if had:
+                if e.has_grad:
+                    e.grad_partial = True
+                    partial.append(e.name)
+                continue
+            if e.has_grad or e.grad_parts:
+                e.drop_grad()
+            e.reduces, e.grad_writes = reduces, writes + 1
+        return partial
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -813,6 +868,11 @@ class ParamStore:
         already the mean over ranks (a resident parameter's .grad): just take this rank's part.
         `rows`: g is the gradient of those rows only (a tile; one rank)."""
         e = self._require(t)
+        self._note_backward(e)
+        if e.grad_partial:
+            raise ZinfError(f"zinf: the gradient of parameter {e.name!r} holds part of a backward that did not "
+                            "complete (added to an earlier sum, it cannot be restored); call zero_grad() and run "
+                            "the backward(s) again")
         flat = g.detach().reshape(-1)
         if rows is not None:
             e.row_range(rows)
@@ -835,9 +895,11 @@ class ParamStore:
         self.stats["reduces"] += 1
 
     def zero_grad(self, entries=None) -> None:
+        self.settle_backward()  # a failed backward's record goes (its gradients are cleared here anyway)
         for e in entries if entries is not None else self.entries():
             e.grad = None
             e.has_grad = False
+            e.grad_partial = False
             e.grad_parts.clear()
             e.grad_moved = []
             e.reduces = 0
