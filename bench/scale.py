@@ -379,20 +379,37 @@ def _make_optimizer(model, args):
             f"SGD(lr={args.lr:g}, momentum=0.9)")
 
 
+_DD_WRITE = ["dd", "if=/dev/zero", "bs=16M", "oflag=direct", "conv=fsync"]
+
+
+def _dd_parse(p) -> dict:
+    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
+    if not m or p.returncode:
+        return dict(error=p.stderr[-300:])
+    return dict(bytes=int(m.group(1)), s=float(m.group(2)), Bps=int(m.group(1)) / float(m.group(2)))
+
+
 def _dd_write(folder: str, mib: int = 2048) -> dict:
-    """The disk's direct write bandwidth (`dd oflag=direct bs=16M conv=fsync`) and then its direct
-    read bandwidth over the same file (`_dd`: iflag=direct, past the page cache); the file goes."""
-    f = os.path.join(folder, "dd-probe.bin")
+    """The disk's direct write bandwidth (`dd oflag=direct bs=16M conv=fsync`), then its direct read
+    bandwidth over the same file (`_dd`: iflag=direct, past the page cache), then both at once (that
+    file read while another is written): the rate the device serves a step's mixed traffic at
+    (`mixed_Bps`: both byte counts over the longer of the two). The files go."""
+    f, g = os.path.join(folder, "dd-probe.bin"), os.path.join(folder, "dd-probe-2.bin")
     try:
-        p = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={mib // 16}", "oflag=direct",
-                           "conv=fsync"], capture_output=True, text=True, timeout=1800)
-        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
-        w = (dict(bytes=int(m.group(1)), s=float(m.group(2)), Bps=int(m.group(1)) / float(m.group(2)))
-             if m and not p.returncode else dict(error=p.stderr[-300:]))
-        return dict(write=w, read=_dd(f))
+        w = _dd_parse(subprocess.run(_DD_WRITE + [f"of={f}", f"count={mib // 16}"], capture_output=True, text=True,
+                                     timeout=1800))
+        out = dict(write=w, read=_dd(f))
+        writer = subprocess.Popen(_DD_WRITE + [f"of={g}", f"count={mib // 16}"], stderr=subprocess.PIPE, text=True)
+        r2 = _dd(f)
+        _, err = writer.communicate(timeout=1800)
+        w2 = _dd_parse(subprocess.CompletedProcess([], writer.returncode, "", err))
+        if r2.get("Bps") and w2.get("Bps"):
+            out["mixed"] = dict(read=r2, write=w2, Bps=(r2["bytes"] + w2["bytes"]) / max(r2["s"], w2["s"]))
+        return out
     finally:
-        if os.path.exists(f):
-            os.remove(f)
+        for x in (f, g):
+            if os.path.exists(x):
+                os.remove(x)
 
 
 def _matmul_rate(threads: int) -> float:
@@ -623,7 +640,8 @@ def _train_io(r: dict) -> dict:
     """The steps after the first (which compiles) against their I/O bound: bytes read / the disk's
     direct read bandwidth + bytes written / its direct write bandwidth (one disk serves both), or
     the compute if larger: estimated as 6 x parameters x tokens FLOPs (forward and backward) at the
-    rate of a 2048^3 matmul measured in the worker."""
+    rate of a 2048^3 matmul measured in the worker. Also the strictest bound, reads and writes
+    overlapped on the device (each at its own rate, the slower side decides)."""
     bw = r.get("bandwidth", {})
     rd, wr = bw.get("read", {}).get("Bps"), bw.get("write", {}).get("Bps")
     later = list(range(1, len(r["step_s"])))
@@ -635,9 +653,15 @@ def _train_io(r: dict) -> dict:
     compute = 6 * r["params"] * r["seq"] / r["matmul_flops"]
     step = statistics.median(r["step_s"][i] for i in later)
     bound = max(io, compute)
+    # the strictest: a device that serves reads and writes at once, each at its own full rate
+    overlapped = max(read / rd, written / wr, compute)
+    mixed = bw.get("mixed", {}).get("Bps")
+    extra = dict(mixed_Bps=mixed, mixed_bound_s=max((read + written) / mixed, compute),
+                 step_vs_mixed_bound=step / max((read + written) / mixed, compute)) if mixed else {}
     return dict(read_per_step=read, written_per_step=written, moved_per_step=read + written, read_Bps=rd,
                 write_Bps=wr, io_s=io, compute_estimate_s=compute, bound_s=bound, step_s=step,
-                step_vs_bound=step / bound, moved_Bps=(read + written) / step)
+                step_vs_bound=step / bound, moved_Bps=(read + written) / step,
+                overlapped_bound_s=overlapped, step_vs_overlapped_bound=step / overlapped, **extra)
 
 
 def _train_checks(r: dict) -> dict:
