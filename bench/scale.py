@@ -39,6 +39,12 @@ train   After the inference files are deleted: a Llama (hidden 5120, MLP 13824, 
         size is (free disk - reserve - margin) / (5/3). When ratio x RAM does not fit, the record
         says so with these numbers and the run takes the largest that fits. A thread watches the
         free space and stops the run (SIGTERM: the swap folder goes) below the reserve.
+        `--optimizer adamw` trains with torch.optim.AdamW (16 bytes per parameter counted), `--cold 1`
+        drops the page cache before each step, `--step-in-backward 1` steps in the backward (needs
+        `--commit step`). The worker measures the disk with dd (direct writes, direct reads, and
+        both at once) and reports each later step against its I/O bound: bytes read / read rate +
+        bytes written / write rate, bytes moved / the mixed rate, and the overlapped bound (the
+        slower side alone), with a compute estimate (6 x parameters x tokens at a matmul's rate).
 
 Writes <out>/scale.json (a part run alone keeps the other part's last record). Every file it writes
 goes at the end, also on failure; `--keep` keeps the checkpoint and `--reuse` runs on a kept one
