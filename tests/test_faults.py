@@ -1294,6 +1294,23 @@ class _Boom(torch.autograd.Function):
         return up
 
 
+class _Nested(torch.autograd.Function):
+    """Identity; its backward runs a backward of its own (another graph task, inside this one), as
+    reentrant checkpointing does, whose reduce gives `w` its gradient `g`."""
+
+    @staticmethod
+    def forward(ctx, x, w, g):
+        ctx.w, ctx.g = w, g
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, up):
+        with torch.enable_grad():
+            z = torch.zeros(4, requires_grad=True)
+            _Reduce.apply(z, ctx.w, ctx.g).sum().backward()
+        return up, None, None
+
+
 def _backward(model, gs, fail: bool) -> None:
     """A backward whose reduces give model[2].weight then model[0].weight their gradients in `gs`,
     with an error between the two when `fail`."""
@@ -1331,14 +1348,34 @@ def test_a_backward_that_fails_half_way_is_rolled_back(tmp_path):
     step_ref(ref, ref_opt, gs)
     assert_like_ref(model, opt, ref, ref_opt)
 
-    # the retry straight after the failure (no step between): as if the failed one never ran
+    # the retry straight after the failure (no step between): the gradient both added to is partial
     opt.zero_grad()
     gs = grads(2, model)
     for i in (1, 3):
         list(model.parameters())[i].grad = gs[i].clone()
+    snap = snapshot(model, opt)
     with pytest.raises(RuntimeError, match="boom"):
         _backward(model, gs, fail=True)
     _backward(model, gs, fail=False)
+    with pytest.raises(ZinfError, match=r"1 parameter\(s\) \('2.weight'\).*zero_grad"):
+        opt.step()
+    assert_snapshot(model, opt, snap)
+    opt.zero_grad()
+    for i in (1, 3):
+        list(model.parameters())[i].grad = gs[i].clone()
+    _backward(model, gs, fail=False)
+    opt.step()
+    step_ref(ref, ref_opt, gs)
+    assert_like_ref(model, opt, ref, ref_opt)
+
+    # a backward run inside another (reentrant checkpointing does it): both complete, nothing settled
+    opt.zero_grad()
+    gs = grads(3, model)
+    for i in (1, 3):
+        list(model.parameters())[i].grad = gs[i].clone()
+    x = torch.zeros(4, requires_grad=True)
+    y = _Reduce.apply(_Nested.apply(x, model[0].weight, gs[0]), model[2].weight, gs[2])
+    y.sum().backward()
     opt.step()
     step_ref(ref, ref_opt, gs)
     assert_like_ref(model, opt, ref, ref_opt)

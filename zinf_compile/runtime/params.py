@@ -507,56 +507,61 @@ class ParamStore:
         self._tickets = itertools.count(1)
         self._sources: dict[str, int] = {}  # a file read in place -> its read-only descriptor (process-long)
         self.stats = {"gathers": 0, "reduces": 0, "bytes_gathered": 0, "fetches": 0, "fetch_waits_s": 0.0}
-        # the backward now adding gradients (autograd's graph task id; None between backwards), and
-        # the entries it added to: id(entry) -> (entry, whether it held a gradient before, its counters
-        # then). A backward that ends without completing (an error anywhere in it, Ctrl-C) is
-        # rolled back by the next reduce or step (`settle_backward`); see "A failed backward"
-        # in docs/decisions.md
-        self._bw_task: int | None = None
-        self._bw_touched: dict[int, tuple] = {}
+        # backwards that added gradients and have not completed (autograd's graph task id, a
+        # process-wide counter): task -> {id(entry): [entry, whether it held a gradient before, its
+        # counters then, whether a later backward added to it too]}. Several are open at once in a
+        # reentrant backward (checkpointing runs one inside another) or after one that failed. Those
+        # still open when no backward runs (step, zero_grad) never completed: `settle_backward`
+        # rolls them back; see "A failed backward" in docs/decisions.md
+        self._bw_open: dict[int, dict[int, list]] = {}
 
     def _note_backward(self, e: Entry) -> None:
-        """A reduce of `e` in a backward: a new backward (the last one, if it never completed, is
-        rolled back first) queues its completion with autograd; `e`'s state before it is noted."""
+        """A reduce of `e` in a backward: a backward seen for the first time queues its completion
+        with autograd; `e`'s state before any open backward touched it is noted once."""
         task = torch._C._current_graph_task_id()
         if task < 0:
             return  # not in a backward (a take-over's gradient)
         with self._lock:
-            if self._bw_task != task:
-                self.settle_backward()  # a backward run again after a failed one: as if it were the first
-                self._bw_task = task
+            mine = self._bw_open.get(task)
+            if mine is None:
+                mine = self._bw_open[task] = {}
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(self._backward_completed, task))
-            if id(e) not in self._bw_touched:
-                self._bw_touched[id(e)] = (e, e.has_grad, e.reduces, e.grad_writes)
+            if id(e) in mine:
+                return
+            for t, rec in self._bw_open.items():
+                if t != task and id(e) in rec:
+                    rec[id(e)][4] = True  # an older open backward noted it: its state before is there
+                    return
+            mine[id(e)] = [e, e.has_grad, e.reduces, e.grad_writes, False]
 
     def _backward_completed(self, task: int) -> None:
         with self._lock:
-            if self._bw_task == task:
-                self._bw_task, self._bw_touched = None, {}
+            self._bw_open.pop(task, None)
 
     def settle_backward(self) -> list[str] | None:
-        """Roll back a backward that added gradients and never completed: the gradients it started
-        (none before it) are dropped, so the parameters' gradients are as before it and running it
-        again gives what it would have given; those it added to (a sum of earlier backwards) cannot
-        be restored and are marked partial: reading or adding to them raises until zero_grad.
-        Returns None when there was nothing to roll back, else the names marked partial. Called by
-        the next backward's first reduce and by the optimizer's step; one comparison after a
-        backward that completed."""
+        """Outside any backward: roll back the backwards that added gradients and never completed.
+        The gradients they started (none before them) are dropped, so they are as before and
+        running the backward again gives what it would have given; those they added to (a sum of
+        earlier backwards), or that a later backward added to as well, cannot be restored and are
+        marked partial: a step or a reduce into them raises until zero_grad. Returns None when
+        there was nothing to roll back, else the names marked partial. Called by the optimizer's
+        step and zero_grad (and the store's); one comparison when every backward completed."""
+        if not self._bw_open or torch._C._current_graph_task_id() >= 0:
+            return None
         with self._lock:
-            if self._bw_task is None or self._bw_task == torch._C._current_graph_task_id():
-                return None
-            touched, self._bw_task, self._bw_touched = self._bw_touched, None, {}
+            records, self._bw_open = self._bw_open, {}
         partial = []
-        for e, had, reduces, writes in touched.values():
-            if had:
-                if e.has_grad:
-                    e.grad_partial = True
-                    partial.append(e.name)
-                continue
-            if e.has_grad or e.grad_parts:
-                e.drop_grad()
-            e.reduces, e.grad_writes = reduces, writes + 1
+        for rec in records.values():
+            for e, had, reduces, writes, later in rec.values():
+                if had or later:
+                    if e.has_grad:
+                        e.grad_partial = True
+                        partial.append(e.name)
+                    continue
+                if e.has_grad or e.grad_parts:
+                    e.drop_grad()
+                e.reduces, e.grad_writes = reduces, writes + 1
         return partial
 
     def __len__(self) -> int:
