@@ -1294,14 +1294,9 @@ class _Boom(torch.autograd.Function):
         return up
 
 
-class _Nested(torch.autograd.Function):
-    """Identity; its backward runs a backward of its own (another graph task, inside this one), as
+class _Nested(_Reduce):
+    """_Reduce whose backward runs a backward of its own (another graph task, inside this one), as
     reentrant checkpointing does, whose reduce gives `w` its gradient `g`."""
-
-    @staticmethod
-    def forward(ctx, x, w, g):
-        ctx.w, ctx.g = w, g
-        return x.clone()
 
     @staticmethod
     def backward(ctx, up):
@@ -1322,6 +1317,14 @@ def _backward(model, gs, fail: bool) -> None:
         y.sum().backward()
     finally:
         _Boom.armed = False
+
+
+def _zeroed_with_bias_grads(model, opt, gs):
+    """opt.zero_grad(), then the resident biases' gradients of `gs` (as a backward would leave them)."""
+    opt.zero_grad()
+    for i in (1, 3):
+        list(model.parameters())[i].grad = gs[i].clone()
+    return gs
 
 
 def test_a_backward_that_fails_half_way_is_rolled_back(tmp_path):
@@ -1349,10 +1352,7 @@ def test_a_backward_that_fails_half_way_is_rolled_back(tmp_path):
     assert_like_ref(model, opt, ref, ref_opt)
 
     # the retry straight after the failure (no step between): the gradient both added to is partial
-    opt.zero_grad()
-    gs = grads(2, model)
-    for i in (1, 3):
-        list(model.parameters())[i].grad = gs[i].clone()
+    gs = _zeroed_with_bias_grads(model, opt, grads(2, model))
     snap = snapshot(model, opt)
     with pytest.raises(RuntimeError, match="boom"):
         _backward(model, gs, fail=True)
@@ -1360,19 +1360,14 @@ def test_a_backward_that_fails_half_way_is_rolled_back(tmp_path):
     with pytest.raises(ZinfError, match=r"1 parameter\(s\) \('2.weight'\).*zero_grad"):
         opt.step()
     assert_snapshot(model, opt, snap)
-    opt.zero_grad()
-    for i in (1, 3):
-        list(model.parameters())[i].grad = gs[i].clone()
+    _zeroed_with_bias_grads(model, opt, gs)
     _backward(model, gs, fail=False)
     opt.step()
     step_ref(ref, ref_opt, gs)
     assert_like_ref(model, opt, ref, ref_opt)
 
     # a backward run inside another (reentrant checkpointing does it): both complete, nothing settled
-    opt.zero_grad()
-    gs = grads(3, model)
-    for i in (1, 3):
-        list(model.parameters())[i].grad = gs[i].clone()
+    gs = _zeroed_with_bias_grads(model, opt, grads(3, model))
     x = torch.zeros(4, requires_grad=True)
     y = _Reduce.apply(_Nested.apply(x, model[0].weight, gs[0]), model[2].weight, gs[2])
     y.sum().backward()
