@@ -240,11 +240,15 @@ def streamed_reference(path: str, ids):
 def _dd(file: str) -> dict:
     p = subprocess.run(["dd", f"if={file}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True,
                        text=True, timeout=1800)
+    return dict(file=file if p.returncode else os.path.basename(file), **_dd_parse(p))
+
+
+def _dd_parse(p) -> dict:
+    """A finished dd's bytes, seconds and rate (from its stderr), or its error."""
     m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
     if not m or p.returncode:
-        return dict(file=file, error=p.stderr[-300:])
-    return dict(file=os.path.basename(file), bytes=int(m.group(1)), s=float(m.group(2)),
-                Bps=int(m.group(1)) / float(m.group(2)))
+        return dict(error=p.stderr[-300:])
+    return dict(bytes=int(m.group(1)), s=float(m.group(2)), Bps=int(m.group(1)) / float(m.group(2)))
 
 
 def _ids(vocab: int, seq: int, seed: int):
@@ -377,22 +381,13 @@ def _make_optimizer(model, args):
 
     import zinf_compile
 
-    if args.optimizer == "adamw":
-        return zinf_compile.optimizer(model, torch.optim.AdamW, lr=args.lr, commit=args.commit,
-                                      step_in_backward=bool(args.step_in_backward)), f"AdamW(lr={args.lr:g})"
-    return (zinf_compile.optimizer(model, torch.optim.SGD, lr=args.lr, momentum=0.9, commit=args.commit,
-                                   step_in_backward=bool(args.step_in_backward)),
-            f"SGD(lr={args.lr:g}, momentum=0.9)")
+    cls, hyper = ((torch.optim.AdamW, dict(lr=args.lr)) if args.optimizer == "adamw" else
+                  (torch.optim.SGD, dict(lr=args.lr, momentum=0.9)))
+    opt = zinf_compile.optimizer(model, cls, commit=args.commit, step_in_backward=bool(args.step_in_backward), **hyper)
+    return opt, f"{cls.__name__}({', '.join(f'{k}={v:g}' for k, v in hyper.items())})"
 
 
 _DD_WRITE = ["dd", "if=/dev/zero", "bs=16M", "oflag=direct", "conv=fsync"]
-
-
-def _dd_parse(p) -> dict:
-    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", p.stderr)
-    if not m or p.returncode:
-        return dict(error=p.stderr[-300:])
-    return dict(bytes=int(m.group(1)), s=float(m.group(2)), Bps=int(m.group(1)) / float(m.group(2)))
 
 
 def _dd_write(folder: str, mib: int = 2048) -> dict:
