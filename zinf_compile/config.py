@@ -31,11 +31,11 @@ class ZinfConfig:
     # O_DIRECT swap files: True, False, or "auto" (direct when the files outgrow the page cache)
     o_direct: bool | str = "auto"
     verify: bool = True  # run the verifier after every pass
-    # Every record zinf writes to an NVMe swap file carries a crc32 per 256 KiB, checked on each read:
+    # Every record zinf writes to an NVMe swap file carries an xxh3-64 digest per 256 KiB, checked on each read:
     # a damaged file is an error naming it, never data trained on. False skips both: worth it only
-    # where swap traffic dominates (`python -m bench integrity` on 2 shared cores, crc32 at 1.3-3.4
-    # GB/s: a warm streamed GPT forward +15%, +46%, -1% in three runs, a training step moving
-    # 1.6 GB +21% to +63%; the noise there is as large as the effect).
+    # where swap traffic dominates (with crc32, `python -m bench integrity` on 2 shared cores: a warm
+    # streamed GPT forward +15%, +46%, -1%, a training step moving 1.6 GB +21% to +63%; xxh3 is
+    # 7x faster, and a cold streamed forward costs about the same on and off: README).
     checksums: bool = True
     # On a CPU device, glibc keeps freed tensors resident once its dynamic mmap threshold has
     # grown (bench/ measured 88-208 MiB over a 64 MiB budget): zinf pins the threshold so large

@@ -10,7 +10,7 @@ I/O the kernel's page cache makes such writes cheap; the transfer that costs, th
 that overlaps compute: `prefetch` submits it to a thread pool, `wait` joins it.
 
 Every record written to a swap file (an activation, a parameter's shard, gradient, optimizer
-state) carries a crc32 per BLOCK_BYTES of its file, checked wherever it is read or mapped: a
+state) carries a 64-bit digest (xxh3) per BLOCK_BYTES of its file, checked wherever it is read or mapped: a
 zeroed, flipped or overwritten record is a SwapCorruptionError naming the file and what it holds,
 never data computed with (option "checksums" turns both off).
 """
@@ -23,24 +23,26 @@ import math
 import os
 import threading
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
 from zinf_compile.errors import SwapCorruptionError, ZinfError
 from zinf_compile.runtime.swapdir import SwapDir
 
 CHUNK_BYTES = 16 << 20  # one positional read/write; chunks of a tensor run in parallel
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
-# Swap files are checksummed (crc32) per block of this many bytes: it divides CHUNK_BYTES (the
-# chunks a read or write is cut into never share a block) and is a multiple of ALIGN and of the mmap
-# granularity. 256 KiB: zlib.crc32 runs at its full speed (measured on an idle 2-core machine:
-# 3.7 GB/s, 2.8 at 64 KiB blocks), and a read or write that starts or ends inside a block reads at
-# most two blocks more.
+# Swap files are checksummed per block of this many bytes: it divides CHUNK_BYTES (the chunks a
+# read or write is cut into never share a block) and is a multiple of ALIGN and of the mmap
+# granularity, and a read or write that starts or ends inside a block reads at most two blocks more.
+# The digest is xxh3-64: 20.5 GiB/s on one core of this 2-core machine against zlib.crc32's 3.7;
+# crc32 took 16% of the CPU of a cold streamed forward, which is CPU-bound here (decisions.md,
+# "Swap-file digests: xxh3").
 BLOCK_BYTES = 256 << 10
+_digest = xxhash.xxh3_64_intdigest  # of a buffer (anything with the buffer protocol, contiguous)
 # A mapping's checks run in pieces of this many bytes (whole blocks) over the I/O threads.
 VERIFY_BYTES = 8 << 20
 
@@ -100,7 +102,7 @@ def _borrowed_bytes(t: torch.Tensor):
 class OffloadEngine:
     """One per (tier, offload_dir, io options); ops find it through `engine(key)`."""
 
-    # Every swap record carries crc32s, checked on each read (see _sums_of). The option
+    # Every swap record carries block digests, checked on each read (see _sums_of). The option
     # "checksums" (config.py) sets it per engine, before it writes anything: records written
     # unsummed have no sums to check later.
     checksums: bool = True
@@ -390,7 +392,7 @@ class OffloadEngine:
         _pwrite_all(fd, memoryview(view[off:off + n]), base + off)
 
     # -- checksums: every swap record's bytes, per BLOCK_BYTES block of its file ----------------
-    # A file's table maps block k (bytes [k*B, k*B + B)) to (length, crc32 of bytes [k*B, k*B +
+    # A file's table maps block k (bytes [k*B, k*B + B)) to (length, digest of bytes [k*B, k*B +
     # length)). A write sums the whole blocks it covers from its own bytes, without a lock. A block
     # it covers in part (a record's last block; a piece starting or ending inside one, as the
     # optimizer's chunks and a tile's rows do, several at once in the I/O pool) is written and
@@ -417,7 +419,7 @@ class OffloadEngine:
         whole = range(-(-pos // BLOCK_BYTES), end // BLOCK_BYTES)  # the blocks covered whole
         if len(whole):
             lo, hi = whole.start * BLOCK_BYTES, whole.stop * BLOCK_BYTES
-            plain = {k: (BLOCK_BYTES, zlib.crc32(view[k * BLOCK_BYTES - base:(k + 1) * BLOCK_BYTES - base]))
+            plain = {k: (BLOCK_BYTES, _digest(view[k * BLOCK_BYTES - base:(k + 1) * BLOCK_BYTES - base]))
                      for k in whole}
             for k in whole:
                 sums.pop(k, None)  # a failed write leaves these blocks unknown, not wrongly summed
@@ -436,7 +438,7 @@ class OffloadEngine:
             old_len = old[0] if old else 0
             if lo == start and old_len <= hi - start:  # nothing carries over
                 self._write_raw(fd, view, lo - base, hi - lo, base)
-                sums[k] = (hi - start, zlib.crc32(new))
+                sums[k] = (hi - start, _digest(new))
                 return
             length = max(old_len, hi - start)
             try:
@@ -445,7 +447,7 @@ class OffloadEngine:
                 if old is not None:
                     sums[k] = old  # nothing was written: the block is as recorded
                 raise
-            if old is not None and zlib.crc32(block[:old_len]) != old[1]:
+            if old is not None and _digest(block[:old_len]) != old[1]:
                 raise SwapCorruptionError(self._corrupt(fd, start, start + old_len))
             block[lo - start:hi - start] = new
             try:
@@ -454,7 +456,7 @@ class OffloadEngine:
                 if old is not None:
                     self._resum_after_failure(fd, sums, k, block, old_len, lo - start, hi - start)
                 raise
-            sums[k] = (length, zlib.crc32(block[:length]))
+            sums[k] = (length, _digest(block[:length]))
 
     def _resum_after_failure(self, fd: int, sums: dict, k: int, block, length: int, lo: int, hi: int) -> None:
         """A write of bytes [lo, hi) of block k failed: the block's other bytes are another record's
@@ -468,7 +470,7 @@ class OffloadEngine:
             return
         if (bytes(now[:min(lo, length)]) == bytes(block[:min(lo, length)])
                 and bytes(now[hi:length]) == bytes(block[hi:length])):
-            sums[k] = (length, zlib.crc32(now[:length]))
+            sums[k] = (length, _digest(now[:length]))
 
     def _read_block(self, fd: int, start: int, length: int):
         """Bytes [start, start + length) of the file (zeros past its end) in a fresh buffer."""
@@ -482,13 +484,13 @@ class OffloadEngine:
         self._verify_covered(fd, sums, pos // BLOCK_BYTES, (end - 1) // BLOCK_BYTES, pos, end)
         for k in range(pos // BLOCK_BYTES, (end - 1) // BLOCK_BYTES + 1):
             start = k * BLOCK_BYTES
-            length, crc = sums[k]
+            length, digest = sums[k]
             if pos <= start and start + length <= end:
-                ok = zlib.crc32(view[start - base:start + length - base]) == crc
+                ok = _digest(view[start - base:start + length - base]) == digest
             else:  # a block read in part: the whole block, checked, and the part from it
                 with self._sum_lock(fd):
                     block = self._read_block(fd, start, length)
-                ok = zlib.crc32(block[:length]) == crc
+                ok = _digest(block[:length]) == digest
                 lo, hi = max(pos, start), min(end, start + length)
                 view[lo - base:hi - base] = block[lo - start:hi - start]
             if not ok:
@@ -514,9 +516,9 @@ class OffloadEngine:
         """Check the blocks of file bytes [lo, hi) (block boundaries) in `arr`, a mapping of the
         file from byte `start`."""
         for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1):
-            length, crc = sums[k]
+            length, digest = sums[k]
             at = k * BLOCK_BYTES - start
-            if zlib.crc32(arr[at:at + length]) != crc:
+            if _digest(arr[at:at + length]) != digest:
                 raise SwapCorruptionError(self._corrupt(fd, k * BLOCK_BYTES, k * BLOCK_BYTES + length))
 
     def _write_bounced(self, fd: int, view, off: int, n: int, base: int) -> None:

@@ -121,7 +121,7 @@ class SwapDir:
         self._free: list[int] = []
         self._fds: dict[int, int] = {}
         self._labels: dict[int, str] = {}  # fd -> what its file holds now, for error messages
-        # fd -> its blocks' checksums (engine.py: block number -> (bytes, crc32)), reset when the
+        # fd -> its blocks' checksums (engine.py: block number -> (bytes, xxh3-64 digest)), reset when the
         # file is handed to a new record; and a lock per file for the writes that merge into a block
         self.sums: dict[int, dict[int, tuple[int, int]]] = {}
         self.sum_locks: dict[int, threading.Lock] = {}
