@@ -18,6 +18,10 @@ alternately:
     zinf-stream  the same with params="offload": every weight streams, none stays resident
     zinf-stream-direct  the same with o_direct=True: shard files read past the page cache into
                  page-aligned buffers (what o_direct="auto" picks when the files outgrow the cache)
+    zinf-stream-bf16  zinf-stream-direct with gather_dtype="bfloat16": each weight streams from a
+                 bfloat16 copy of its float32 shard (half the bytes) and is widened for the fp32
+                 forward; its logits are checked against eager's with the weights rounded to bf16
+                 (the eager worker computes both)
     accelerate   accelerate.disk_offload(model, dir): every weight memory-mapped from files and loaded
                  by hooks right before its module runs (what a user short of memory would pick)
 
@@ -52,7 +56,7 @@ from bench import _harness
 from bench.params import _bandwidth, _machine, _median
 
 MiB = 2**20
-CONTENDERS = ("eager", "inductor", "zinf", "zinf-stream", "zinf-stream-direct", "accelerate")
+CONTENDERS = ("eager", "inductor", "zinf", "zinf-stream", "zinf-stream-direct", "zinf-stream-bf16", "accelerate")
 DEFAULTS = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000, seq=128,
                 forwards=3, threads=2, seed=0, budget_share=0.25, device="auto", cold=0)
 
@@ -98,8 +102,10 @@ def worker(args) -> dict:
         options = {"budget": budget, "offload": "nvme", "offload_dir": args.offload_dir}
         if args.worker.startswith("zinf-stream"):
             options["params"] = "offload"  # every weight streams, none stays resident
-        if args.worker == "zinf-stream-direct":
+        if args.worker in ("zinf-stream-direct", "zinf-stream-bf16"):
             options["o_direct"] = True
+        if args.worker == "zinf-stream-bf16":
+            options["gather_dtype"] = "bfloat16"
         fn = torch.compile(model, backend="zinf", options=options)
     else:
         from accelerate import disk_offload
@@ -131,6 +137,14 @@ def worker(args) -> dict:
     out = dict(contender=args.worker, device=dev, cold=bool(args.cold), o_direct=any(direct), base=base, held_after_warmup=after_warmup, peak=peak, peak_over_base=peak - base,
                forward_s=times, warmup_s=warm, weights=weights, budget=budget, moved_per_forward=moved,
                logits_head=logits.reshape(-1)[:4096].cpu().tolist(), logits_absmax=float(logits.abs().max()))
+    if args.worker == "eager":  # the reference of zinf-stream-bf16: the same weights rounded to bfloat16
+        from zinf_compile.planner import PERSIST_BYTES
+
+        with torch.no_grad():  # what zinf manages (params="offload"): every parameter of PERSIST_BYTES or more
+            for p in model.parameters():
+                if p.numel() * p.element_size() >= PERSIST_BYTES:
+                    p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        out["logits_head_bf16"] = forward().reshape(-1)[:4096].cpu().tolist()
     plans = zinf_compile.last_plans()
     if args.worker.startswith("zinf") and plans:
         out["plans"] = [dict(graphs=p.graphs, budget=p.budget, peak_before=p.peak_before, peak_after=p.peak_after,
@@ -201,11 +215,11 @@ def _summarise(names, runs, bw, regime) -> dict:
     """One regime's runs: the medians per contender and the checks against the bound and
     accelerate. The bound's transfer is zinf's bytes read per forward over the read bandwidth the
     regime sees: the page cache's (warm) or the disk's direct read bandwidth (cold)."""
-    ref = next((x["logits_head"] for x in runs if x["contender"] == "eager"), None)
+    eager = next((x for x in runs if x["contender"] == "eager"), None)
     summary = {}
     for n in names:
         rs = [x for x in runs if x["contender"] == n]
-        diff = None
+        diff, ref = None, None if eager is None else eager["logits_head_bf16" if n.endswith("-bf16") else "logits_head"]
         if ref is not None:
             diff = max(max(abs(a - b) for a, b in zip(x["logits_head"], ref)) for x in rs)
         summary[n] = dict(forward_s=_median([t for x in rs for t in x["forward_s"]]),
@@ -243,6 +257,7 @@ def _summarise(names, runs, bw, regime) -> dict:
         checks[f"{k}_left_no_files"] = not z["files_left"]
     for x in runs:
         x.pop("logits_head", None)
+        x.pop("logits_head_bf16", None)
     return dict(summary=summary, checks=checks, bandwidth=bw, runs=runs, weights=weights, budget=budget,
                 cuda=cuda, device=runs[0].get("device", "cpu"))
 

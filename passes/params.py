@@ -46,9 +46,15 @@ def stored_nbytes(numel: int, itemsize: int, master: str | None) -> int:
     return int(numel) * (getattr(torch, master).itemsize if master else itemsize)
 
 
+def read_nbytes(numel: int, itemsize: int, master: str | None, gather: str | None) -> int:
+    """Bytes one gather reads from the tier: the gather copy where it is narrower than the shard."""
+    stored = stored_nbytes(numel, itemsize, master)
+    return min(stored, int(numel) * getattr(torch, gather).itemsize) if gather else stored
+
+
 def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True,
-               engine: int = 0, master: str | None = None) -> ParamMeta:
-    return ParamMeta(pid, name, resident_bytes, tier, requires_grad, engine, master)
+               engine: int = 0, master: str | None = None, gather: str | None = None) -> ParamMeta:
+    return ParamMeta(pid, name, resident_bytes, tier, requires_grad, engine, master, gather)
 
 
 def _whole_copies(g: fx.Node) -> list[fx.Node]:

@@ -115,9 +115,10 @@ def backward(model, x) -> None:
     model(x).pow(2).mean().backward()
 
 
-def io() -> dict:
-    eng = STORE.entries()[0].engine
-    return dict(eng.stats)
+def io(model) -> dict:
+    """The I/O counters of the engine `model`'s managed weights use (not whichever entry comes
+    first in the store: a model of an earlier test may still be alive, in another engine)."""
+    return dict(STORE.entry(model.a.weight).engine.stats)
 
 
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=[c.__name__ for c, _ in OPTIMIZERS])
@@ -128,11 +129,11 @@ def test_bit_identical_to_the_same_optimizer_and_torch_and_the_gradient_skips_it
     moved = {}
     for i, x in enumerate(batches(5)):
         for name, (model, opt) in (("ref", (ref, ref_opt)), ("plain", (plain, plain_opt)), ("sib", (sib, sib_opt))):
-            before = io()
+            before = io(sib)
             backward(model, x)
             opt.step()
             opt.zero_grad()
-            after = io()
+            after = io(sib)
             moved[name] = {k: after[k] - before[k] for k in ("bytes_read", "bytes_written")}
         for s in sched:
             s.step()

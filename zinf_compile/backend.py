@@ -122,7 +122,8 @@ class Session:
         cands, resident = _candidates(self, primals)
         model = DeviceModel(self.device, self.tier, self.world, maps_files=_maps_files(self))
         metas = tuple((primals.index(n), param_meta(info.name, info.pid, _resident_bytes(self, info), self.tier,
-                                                    info.requires_grad, self.engine_key, self.cfg.master_dtype),
+                                                    info.requires_grad, self.engine_key, self.cfg.master_dtype,
+                                                    _gather_of(self, info)),
                        info.managed) for n, info in cands)
         allreduce = tuple(primals.index(n) for n, info in resident if info.requires_grad) if self.world > 1 else ()
         direct = self.tier == "nvme" and self.engine.direct  # the reads the plan times: as the run does them
@@ -329,6 +330,19 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
     return -(-stored_nbytes(info.nbytes // itemsize, itemsize, s.cfg.master_dtype) // world()[1])
 
 
+def _gather_of(s: Session, info: ParamInfo) -> str | None:
+    """The dtype of the copy a managed parameter's gathers read (option gather_dtype), where it is
+    narrower than its shard's (runtime.params.narrower decides the same at take-over)."""
+    from zinf_compile.runtime.params import narrower
+
+    if s.cfg.gather_dtype is None:
+        return None
+    dtype = getattr(torch, info.dtype.removeprefix("torch."))
+    stored = getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else dtype
+    gather = narrower(getattr(torch, s.cfg.gather_dtype), stored)
+    return str(gather).removeprefix("torch.") if gather is not None else None
+
+
 def _shared_default_budget(device: str, n_world: int) -> int:
     """A default budget every rank computes alike without talking (ranks may compile different
     numbers of graphs, so a collective here could hang): 90% of the device's capacity, the host's
@@ -363,7 +377,8 @@ def _take_over(s: Session, infos: list[ParamInfo], budget: int) -> None:
     with unset_fake_temporarily(), torch.no_grad():  # the partitioner runs under the compile's fake mode
         for info in infos:
             STORE.manage(info.pid, s.tier, s.engine_key,
-                         getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else None, budget=budget)
+                         getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else None, budget=budget,
+                         gather_dtype=getattr(torch, s.cfg.gather_dtype) if s.cfg.gather_dtype else None)
 
 
 def _param_infos(gm: fx.GraphModule, example_inputs) -> tuple[ParamInfo, ...]:

@@ -53,6 +53,13 @@ class ZinfConfig:
     # master shards (and gradients and optimizer states) in their tier; gathers hand the graph the
     # model's dtype. None: shards in the parameter's own dtype.
     master_dtype: str | None = None
+    # Low-precision gathers, as ZeRO-Infinity keeps fp16 parameters beside fp32 masters: managed
+    # parameters also keep a copy of their shard in this dtype ("bfloat16" or "float16"), which the
+    # graph's gathers read and widen to the parameter's dtype: a float32 shard streams half the
+    # bytes. The shard stays the master that the optimizer steps (each step rewrites the copy),
+    # checkpoints save and reads outside the graph see. Numerics: the model computes with weights
+    # rounded to this dtype, as `p.to(bfloat16).to(p.dtype)` rounds them. None: gathers read the shard.
+    gather_dtype: str | None = None
     # Memory-centric tiling of the matmuls of managed 2-d weights: "auto" when a weight gathered
     # whole does not fit next to what must stay live; "off"; {"max_tile_bytes": n} tiles every
     # managed weight larger than n into tiles of at most n bytes.
@@ -62,7 +69,8 @@ class ZinfConfig:
     disabled_passes: tuple[str, ...] = ()
 
     OPTIONS = ("budget", "offload", "offload_dir", "profile", "io_threads", "o_direct", "verify",
-               "malloc_mmap_threshold", "cache", "params", "master_dtype", "tiling", "checksums")
+               "malloc_mmap_threshold", "cache", "params", "master_dtype", "gather_dtype", "tiling",
+               "checksums")
 
     @staticmethod
     def from_options(options: Mapping[str, Any] | None) -> "ZinfConfig":
@@ -119,6 +127,11 @@ class ZinfConfig:
         master = {"fp32": "float32", "float": "float32"}.get(master, master)
         if master not in (None, "float32", "float64"):
             raise ZinfConfigError(f"master_dtype: expected 'float32' (or None), got {options.get('master_dtype')!r}")
+        gather = options.get("gather_dtype")
+        gather = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(gather, gather)
+        if gather not in (None, "bfloat16", "float16"):
+            raise ZinfConfigError(f"gather_dtype: expected 'bfloat16' or 'float16' (or None), got "
+                                  f"{options.get('gather_dtype')!r}")
         tiling, max_tile = options.get("tiling", "auto"), None
         if isinstance(tiling, Mapping):
             extra = sorted(set(tiling) - {"max_tile_bytes"})
@@ -148,6 +161,7 @@ class ZinfConfig:
             dump_dir=os.environ.get("ZINF_DUMP_DIR") or None,
             params=params,
             master_dtype=master,
+            gather_dtype=gather,
             tiling=tiling,
             max_tile_bytes=max_tile,
             disabled_passes=tuple(sorted(filter(None, os.environ.get("ZINF_DISABLE_PASSES", "").split(",")))),

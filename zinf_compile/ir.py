@@ -31,10 +31,14 @@ class ParamMeta:
     requires_grad: bool = True
     engine: int = 0
     master: str | None = None  # the shard's dtype when it is not the parameter's (mixed precision)
+    gather: str | None = None  # the dtype of the copy gathers read, when narrower than the shard's
 
     @property
     def where(self) -> str:
-        """The ops' tier argument: the tier, and the master dtype of a shard taken over at run time."""
+        """The ops' tier argument: the tier, and the master and gather dtypes of a shard taken
+        over at run time ("nvme", "nvme,float32", "nvme,,bfloat16")."""
+        if self.gather:
+            return f"{self.tier},{self.master or ''},{self.gather}"
         return self.tier + (f",{self.master}" if self.master else "")
 
 

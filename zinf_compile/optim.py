@@ -729,6 +729,8 @@ class ZinfOptimizer(torch.optim.Optimizer):
         finally:
             for s in given:
                 s.grad = None
+        for _, _, e in lay.cpu:
+            e.refresh_copy()  # a gather copy follows its stepped shard
 
     def _chunk(self, in_backward: bool = False) -> int:
         """Elements per chunk of the NVMe step: the user's `chunk_elems`, else the ring of chunk
@@ -808,7 +810,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         try:
             for w in work:
                 w.entry.complete_grad()  # a tiled parameter's gradient comes tile by tile: zeros where none came
-                for name in ("param",) + w.names:
+                for name in ("param",) + w.names + _copy_of(w):
                     self._out_file(w, name)
             if not self._fast():
                 self._generic_step(work, chunk)
@@ -864,6 +866,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
             off = start * w.entry.shard_dtype.itemsize
             writes[i] = [pool.submit(w.engine.write_file, w.out[name], v[name], off)
                          for name in ("param",) + w.names]
+            if _copy_of(w):  # the gather copy of the new values, beside the old copy like every record
+                writes[i].append(pool.submit(w.engine.write_file, w.out["copy"], v["param"].to(w.entry.gather_dtype),
+                                             start * w.entry.gather_dtype.itemsize))
 
         try:
             submit_read(0)
@@ -1109,7 +1114,7 @@ class ZinfOptimizer(torch.optim.Optimizer):
         """The file record `name` of w's parameter is written to this step: its spare slot."""
         if name not in w.out:
             spare = self._spare.setdefault(id(w.entry), {})
-            what = "shard" if name == "param" else f"optimizer state {name!r}"
+            what = {"param": "shard", "copy": "low-precision copy"}.get(name, f"optimizer state {name!r}")
             w.out[name] = spare.pop(name) if name in spare else w.entry._acquire(what)
         return w.out[name]
 
@@ -1141,6 +1146,9 @@ class ZinfOptimizer(torch.optim.Optimizer):
                     names, scalars = tuple(per), {k: v for k, v in new.items() if k not in per}
                 for k, v in ({"param": p} | per).items():
                     w.engine.write_file(self._out_file(w, k), v.detach().contiguous(), off)
+                if _copy_of(w):
+                    w.engine.write_file(self._out_file(w, "copy"), p.detach().to(e.gather_dtype),
+                                        start * e.gather_dtype.itemsize)
                 _point("nvme-step:chunk-written")
             w.names, w.scalars = names or (), scalars or {}
 
@@ -1167,6 +1175,10 @@ class ZinfOptimizer(torch.optim.Optimizer):
         for w in work:
             e, spare = w.entry, self._spare.setdefault(id(w.entry), {})
             spare["param"], e.fd = e.fd, w.out["param"]
+            if "copy" in w.out:  # written whole with the shard: it is the new shard's copy
+                if e.copy_fd is not None:
+                    spare["copy"] = e.copy_fd
+                e.copy_fd, e.copy_ok = w.out["copy"], True
             for name in w.names:
                 old = e.state_fds.get(name)
                 e.state_fds[name] = w.out[name]
@@ -1346,6 +1358,11 @@ def _generic_chunk(cls: type, kwargs: dict, group: dict, p: torch.Tensor, grad: 
         opt.step()
     p.grad = None
     return dict(opt.state[p])
+
+
+def _copy_of(w: _Work) -> tuple[str, ...]:
+    """("copy",) where w's parameter keeps a gather copy its step rewrites (Entry.gather_dtype)."""
+    return ("copy",) if w.entry.gather_dtype is not None else ()
 
 
 def _wait_all(futs, raise_: bool = True) -> None:

@@ -75,7 +75,7 @@ def intervals(facts: GraphFacts, buffer: int, gaps: list | None = None) -> list[
 def param_facts(facts: GraphFacts, world: int = 1) -> dict[int, ParamFact]:
     """The managed parameters of the analysed graphs (by their ParamMeta), with what keeping each
     resident would change."""
-    from zinf_compile.passes.params import stored_nbytes
+    from zinf_compile.passes.params import read_nbytes
 
     where = buffer_index(facts)
     metas: dict[int, ir.ParamMeta] = {}
@@ -111,7 +111,7 @@ def param_facts(facts: GraphFacts, world: int = 1) -> dict[int, ParamFact]:
                 kept.append(Interval(buf.end_step + 1, end, buf.nbytes))
         out[pid] = ParamFact(
             pid, m.name, int(val.numel()) * val.element_size(),
-            -(-stored_nbytes(val.numel(), val.element_size(), m.master) // world), m.resident_bytes,
+            -(-read_nbytes(val.numel(), val.element_size(), m.master, m.gather) // world), m.resident_bytes,
             tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b)),
             tuple(iv for b in sorted(gathered[pid]) for iv in intervals(facts, b, gaps_of.get(b))),
             tuple(kept))

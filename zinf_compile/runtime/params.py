@@ -130,10 +130,24 @@ class Entry:
     # gradient moves it to a swap file of its own (`_own_file`); until then nothing writes `fd`.
     source: str | None = None
     base: int = 0
+    # a low-precision copy of the shard that the graph's gathers read (option gather_dtype): a
+    # float32 shard gathered from a bfloat16 copy reads half the bytes. The shard stays the master
+    # that the optimizer steps, checkpoints save and reads outside the graph see; every write of it
+    # writes the copy too. `copy_ok` False: the copy does not hold the shard's values (never made,
+    # as for an in-place shard, or a write of it failed): the next gather makes it from the shard
+    gather_dtype: torch.dtype | None = None
+    copy: torch.Tensor | None = field(default=None, repr=False)  # cpu tier
+    copy_fd: int | None = None  # nvme tier
+    copy_ok: bool = False
 
     @property
     def shard_dtype(self) -> torch.dtype:
         return self.master_dtype or self.dtype
+
+    @property
+    def read_dtype(self) -> torch.dtype:
+        """The dtype the graph's gathers read from the tier: the copy's, where there is one."""
+        return self.gather_dtype or self.shard_dtype
 
     @property
     def numel(self) -> int:
@@ -171,12 +185,23 @@ class Entry:
         return out
 
     def on_device(self, shard: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
-                  mapped: bool = False) -> torch.Tensor:
+                  mapped: bool = False, graph: bool | None = None) -> torch.Tensor:
         """The shard, or its `rows` (read from its tier unless given), in the parameter's dtype on
-        its device. `mapped`: for the graph alone, a mapping of the file will do (see `maps`)."""
+        its device. `mapped`: for the graph alone, a mapping of the file will do (see `maps`).
+        `graph` (default: `mapped`): for the graph's gathers, which read the gather copy if any."""
         if shard is None:
-            shard = self.read_shard(mapped) if rows is None else self.read_rows(rows, mapped=mapped)
-        return shard.to(self.dtype).to(self.device, non_blocking=True)
+            shard = (self.read_shard(mapped, graph) if rows is None
+                     else self.read_rows(rows, mapped=mapped, graph=graph))
+        if shard.dtype == self.dtype:
+            return shard.to(self.device, non_blocking=True)
+        if self.device.type != "cpu":  # the narrower dtype crosses the bus: a bf16 copy moves half the bytes
+            if shard.dtype.itemsize < self.dtype.itemsize:
+                return shard.to(self.device, non_blocking=True).to(self.dtype)
+            return shard.to(self.dtype).to(self.device, non_blocking=True)
+        # a recycled, already touched buffer: a fresh one costs a zero-filled page fault per 4 KiB
+        # (HostBuffers), slower than the read that saved the bytes
+        out = self.engine.buffers.empty(shard.numel(), self.dtype) if self.tier == "nvme" else None
+        return shard.to(self.dtype) if out is None else out.copy_(shard)
 
     # -- tiles: rows of the parameter (its first dimension), a contiguous range of the shard -----
     def row_range(self, rows: tuple[int, int]) -> tuple[int, int]:
@@ -187,27 +212,77 @@ class Entry:
         row = self.numel // self.shape[0]
         return rows[0] * row, rows[1] * row
 
-    def read_rows(self, rows: tuple[int, int], futures: list | None = None, mapped: bool = False) -> torch.Tensor:
+    def read_rows(self, rows: tuple[int, int], futures: list | None = None, mapped: bool = False,
+                  graph: bool | None = None) -> torch.Tensor:
         """Rows [start, end) as a fresh flat host tensor; with `futures`, the read is only started
         (its futures appended) and the tensor is filled when they complete. `mapped`: see
         read_shard."""
         lo, hi = self.row_range(rows)
+        fd, base, dtype, held = self._source(graph=(mapped or futures is not None) if graph is None else graph)
         if self.tier == "cpu":
-            return self.shard[lo:hi].clone()
+            return held[lo:hi].clone()
         if mapped and self.maps:
-            return self.engine.map_file(self.fd, self.base + lo * self.shard_dtype.itemsize, hi - lo,
-                                        self.shard_dtype)
-        out = torch.empty(hi - lo, dtype=self.shard_dtype, pin_memory=self.device.type == "cuda")
-        off = self.base + lo * self.shard_dtype.itemsize
+            return self.engine.map_file(fd, base + lo * dtype.itemsize, hi - lo, dtype)
+        out = torch.empty(hi - lo, dtype=dtype, pin_memory=self.device.type == "cuda")
+        off = base + lo * dtype.itemsize
         if futures is None:
-            self.engine.read_file(self.fd, out, off)
+            self.engine.read_file(fd, out, off)
         else:
-            futures += self.engine.submit_read(self.fd, out, off)
+            futures += self.engine.submit_read(fd, out, off)
         return out
 
     # -- the shard's bytes, wherever they live --------------------------------------------------
-    def _host_buffer(self) -> torch.Tensor:
-        return self.engine.host_empty(self.shard_numel, self.shard_dtype, pin_memory=self.device.type == "cuda")
+    def _host_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.engine.host_empty(self.shard_numel, dtype or self.shard_dtype,
+                                      pin_memory=self.device.type == "cuda")
+
+    def _source(self, graph: bool) -> tuple[int | None, int, torch.dtype, torch.Tensor | None]:
+        """(file, its first byte, dtype, CPU-tier tensor) of what a read takes: the graph's gathers
+        (`graph`) read the low-precision copy where there is one (made first if it is not the
+        shard's); everything else reads the shard."""
+        if not graph or self.gather_dtype is None:
+            return self.fd, self.base, self.shard_dtype, self.shard
+        self._ensure_copy()
+        return self.copy_fd, 0, self.gather_dtype, self.copy
+
+    def _ensure_copy(self, chunk: int = 1 << 22) -> None:
+        """Make the copy from the shard unless it holds the shard's values (`copy_ok`)."""
+        if self.copy_ok:
+            return
+        with self.lock:
+            if self.copy_ok:
+                return
+            if self.tier == "cpu":
+                self.copy = self.shard.to(self.gather_dtype)
+            else:
+                if self.copy_fd is None:
+                    self.copy_fd = self._acquire("low-precision copy")
+                buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
+                size = self.gather_dtype.itemsize
+                for start in range(0, self.shard_numel, chunk):
+                    part = buf[:min(chunk, self.shard_numel - start)]
+                    self.engine.read_file(self.fd, part, self.base + start * self.shard_dtype.itemsize)
+                    self.engine.write_file(self.copy_fd, part.to(self.gather_dtype), start * size)
+            self.copy_ok = True
+
+    def _write_copy(self, flat: torch.Tensor) -> None:
+        """The copy of a shard just written whole (`flat`, in shard_dtype). A failure leaves the copy
+        marked stale (the next gather makes it from the shard) and raises."""
+        if self.gather_dtype is None:
+            return
+        self.copy_ok = False
+        if self.tier == "cpu":
+            self.copy = flat.to(self.gather_dtype)
+        else:
+            if self.copy_fd is None:
+                self.copy_fd = self._acquire("low-precision copy")
+            self.engine.write_file(self.copy_fd, flat.to(self.gather_dtype).contiguous())
+        self.copy_ok = True
+
+    def refresh_copy(self) -> None:
+        """The CPU tier's shard was changed in place (an optimizer step): its copy follows."""
+        if self.gather_dtype is not None and self.tier == "cpu":
+            self._write_copy(self.shard)
 
     @property
     def maps(self) -> bool:
@@ -217,16 +292,17 @@ class Entry:
         4.5x slower than into a reused buffer (46 MiB: 43 vs 9.6 ms); a mapping costs neither."""
         return self.tier == "nvme" and self.device.type == "cpu" and self.engine.can_map()
 
-    def read_shard(self, mapped: bool = False) -> torch.Tensor:
+    def read_shard(self, mapped: bool = False, graph: bool | None = None) -> torch.Tensor:
         """The shard as a fresh flat host tensor. `mapped` (the graph's gathers, whose tensors die
         within the graph): a private mapping of its file where `maps` allows; never for what may
         outlive a later write of the file (a state dict, a released parameter)."""
+        fd, base, dtype, held = self._source(graph=mapped if graph is None else graph)
         if self.tier == "cpu":
-            return self.shard.clone()
+            return held.clone()
         if mapped and self.maps:
-            return self.engine.map_file(self.fd, self.base, self.shard_numel, self.shard_dtype)
-        out = self._host_buffer()
-        self.engine.read_file(self.fd, out, self.base)
+            return self.engine.map_file(fd, base, self.shard_numel, dtype)
+        out = self._host_buffer(dtype)
+        self.engine.read_file(fd, out, base)
         return out
 
     def map_ahead(self, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, list]:
@@ -234,7 +310,14 @@ class Entry:
         its checksum checks, which run on the I/O threads: a fetch's disk reads overlap the graph's
         compute instead of running on the graph thread at the fetch (`maps` must hold)."""
         lo, hi = (0, self.shard_numel) if rows is None else self.row_range(rows)
-        return self.engine.submit_map(self.fd, self.base + lo * self.shard_dtype.itemsize, hi - lo, self.shard_dtype)
+        fd, base, dtype, _ = self._source(graph=True)
+        return self.engine.submit_map(fd, base + lo * dtype.itemsize, hi - lo, dtype)
+
+    def submit_read(self) -> tuple[torch.Tensor, list]:
+        """The graph's read of the whole shard (or its copy) started: its buffer and futures."""
+        fd, base, dtype, _ = self._source(graph=True)
+        buf = self._host_buffer(dtype)
+        return buf, self.engine.submit_read(fd, buf, base)
 
     def write_shard(self, flat: torch.Tensor) -> None:
         flat = flat.detach().reshape(-1).to("cpu", self.shard_dtype)
@@ -245,7 +328,9 @@ class Entry:
         else:
             if self.fd is None or self.source is not None:
                 self.fd, self.base, self.source = self._acquire("shard"), 0, None  # a whole write: nothing to copy
+            self.copy_ok = False  # until the copy below is written: never a copy of other values
             self.engine.write_file(self.fd, flat.contiguous())
+        self._write_copy(flat)
 
     def write_whole(self, value: torch.Tensor) -> None:
         """Write the shard from the whole parameter's value (any shape). On one rank the shard is
@@ -486,7 +571,8 @@ class Entry:
             for n in self.file_nos:
                 swap.release(n)
         self.file_nos.clear()
-        self.fd = self.grad_fd = self.grad_spare_fd = None
+        self.fd = self.grad_fd = self.grad_spare_fd = self.copy_fd = None
+        self.copy, self.copy_ok = None, False
         self.grad_moved = []
         self.source, self.base = None, 0  # the source file's descriptor is shared (ParamStore.source_fd)
         self.state_fds.clear()
@@ -622,11 +708,13 @@ class ParamStore:
         return sorted(self._entries.values(), key=lambda e: e.index)
 
     def manage(self, pid: int, tier: str, engine_key: int, master_dtype: torch.dtype | None = None,
-               budget: int | None = None, value: torch.Tensor | None = None) -> Entry:
+               budget: int | None = None, value: torch.Tensor | None = None,
+               gather_dtype: torch.dtype | None = None) -> Entry:
         """Take parameter `pid` over: copy this rank's shard to its tier (as `master_dtype` if
         given), free its storage. `value`: the parameter's whole value, written instead of its own
         data (zinf_compile.loading: a parameter born without storage, its value read from a file;
-        on one rank it is written as it is, no padded copy)."""
+        on one rank it is written as it is, no padded copy). `gather_dtype`: the graph gathers a
+        copy in this dtype where it is narrower than the shard's (Entry.gather_dtype)."""
         with self._lock:
             self._drain()
             e = self._entries.get(pid)
@@ -648,7 +736,8 @@ class ParamStore:
             rank, size = world()
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device,
                       param.requires_grad, rank, size, tier, engine_key, weakref.ref(param),
-                      master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget)
+                      master_dtype=master_dtype if master_dtype != param.dtype else None, budget=budget,
+                      gather_dtype=narrower(gather_dtype, master_dtype or param.dtype))
             try:
                 e.write_whole(param if value is None else value)
             except BaseException:
@@ -686,10 +775,11 @@ class ParamStore:
                 self.reduce_grad(param, grad, average=False)
             return e
 
-    def manage_in_place(self, pid: int, engine_key: int, source: str, offset: int, dtype: torch.dtype) -> Entry:
+    def manage_in_place(self, pid: int, engine_key: int, source: str, offset: int, dtype: torch.dtype,
+                        gather_dtype: torch.dtype | None = None) -> Entry:
         """Take parameter `pid` (its storage empty) over with its shard read where it lies: `source`
         from byte `offset`, holding the parameter's bytes in `dtype` (nvme tier, one rank; the file
-        is never written: see Entry.source)."""
+        is never written: see Entry.source). A `gather_dtype` copy is made at the first gather."""
         import os
 
         with self._lock:
@@ -707,7 +797,8 @@ class ParamStore:
             if fd is None:
                 fd = self._sources[source] = os.open(source, os.O_RDONLY)
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device, param.requires_grad, rank, size,
-                      "nvme", engine_key, weakref.ref(param), fd=fd, source=source, base=offset)
+                      "nvme", engine_key, weakref.ref(param), fd=fd, source=source, base=offset,
+                      gather_dtype=narrower(gather_dtype, param.dtype))
             from zinf_compile.grads import install
             install()
             self._entries[pid] = e
@@ -773,10 +864,11 @@ class ParamStore:
             if refusal is not None:
                 raise ZinfError(f"zinf: a compiled graph gathers a parameter that {refusal} (another instance "
                                 "of the model?); zinf cannot take it over")
-            tier, _, master = tier.partition(",")
+            tier, master, gather = (tier.split(",") + ["", ""])[:3]
             with torch.no_grad():
                 e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key,
-                                getattr(torch, master) if master else None)
+                                getattr(torch, master) if master else None,
+                                gather_dtype=getattr(torch, gather) if gather else None)
         return e
 
     def _entry_for(self, t: torch.Tensor, engine_key: int, tier: str) -> Entry:
@@ -819,8 +911,9 @@ class ParamStore:
         elif e.tier == "nvme" and rows is not None:
             buf = e.read_rows(rows, futures)
         elif e.tier == "nvme":
-            buf = e._host_buffer()
-            futures = e.engine.submit_read(e.fd, buf, e.base)
+            buf, futures = e.submit_read()
+        if buf is not None and futures and buf.dtype != e.dtype and e.device.type == "cpu":
+            buf, futures = _widened_when_read(e, buf, futures)
         with self._lock:
             self._fetches[ticket] = (e, buf, futures)
         cell = np.array([ticket], dtype=np.int64)
@@ -841,7 +934,7 @@ class ParamStore:
         all-gathers it), from a fetch's read when `handle` names one."""
         e = self.adopt(t, engine_key, tier)
         self._count_gather(e)
-        return e.on_device(None if handle is None else self._take_fetch(e, handle))
+        return e.on_device(None if handle is None else self._take_fetch(e, handle), graph=True)
 
     def store_grad(self, t: torch.Tensor, part: torch.Tensor) -> None:
         """Add this rank's part of the gradient (the sum over ranks, reduce-scattered by the
@@ -918,6 +1011,38 @@ class ParamStore:
             raise ZinfError("zinf: a graph gathers a parameter the store does not manage (was the store "
                             "reset while compiled code still runs?)")
         return e
+
+
+def _widened_when_read(e: Entry, buf: torch.Tensor, futures: list) -> tuple[torch.Tensor, list]:
+    """A fetch of a narrower copy on a CPU device: the I/O thread that completes the read widens
+    it to the parameter's dtype, into a recycled buffer, and the gather takes it ready. Widening
+    4.4 GB of float32 from bfloat16 took ~1.5 s of the graph thread's time on this 2-core machine."""
+    from concurrent.futures import Future
+
+    from zinf_compile.runtime.engine import _when_all_done
+
+    out, done = e.engine.buffers.empty(buf.numel(), e.dtype), Future()
+
+    def widen() -> None:
+        try:
+            for f in futures:
+                f.result()  # the read's error, if any, is the gather's
+            out.copy_(buf)
+        except BaseException as err:
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+
+    _when_all_done(futures, widen)
+    return out, [done]
+
+
+def narrower(gather: torch.dtype | None, stored: torch.dtype) -> torch.dtype | None:
+    """The dtype of a gather copy of a shard stored in `stored`: `gather` where it saves bytes (a
+    floating shard, a narrower floating dtype), else None (the gathers read the shard itself)."""
+    if gather is None or not stored.is_floating_point or gather.itemsize >= stored.itemsize:
+        return None
+    return gather
 
 
 def _pieces(ranges: list, lo: int, hi: int) -> list[tuple[int, int, bool]]:
