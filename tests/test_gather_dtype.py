@@ -98,8 +98,9 @@ def zinf_run(tier: str, offload_root: str, build=mlp, loss_of=mlp_loss, steps: i
     return model, cm, losses
 
 
-@pytest.mark.parametrize("tier,opt_kw", [("nvme", {}), ("cpu", {}), ("nvme", {"step_in_backward": True})],
-                         ids=["nvme", "cpu", "nvme-step-in-backward"])
+@pytest.mark.parametrize("tier,opt_kw", [("nvme", {}), ("cpu", {}), ("nvme", {"step_in_backward": True}),
+                                         ("nvme", {"commit": "param"})],
+                         ids=["nvme", "cpu", "nvme-step-in-backward", "nvme-commit-param"])
 def test_training_equals_the_bf16_gather_recipe(tier, opt_kw, offload_root, reference):
     first, ref_losses, ref_masters = reference
     model, cm, losses = zinf_run(tier, offload_root, **opt_kw)
@@ -116,6 +117,51 @@ def test_training_equals_the_bf16_gather_recipe(tier, opt_kw, offload_root, refe
     load_state_dict(cm, first)
     with torch.no_grad():
         assert torch.equal(cm(X).pow(2).mean(), ref_losses[0])
+
+
+def test_a_full_disk_while_the_copy_is_written_applies_nothing(offload_root, reference, monkeypatch):
+    """The copy is one more record of the all-or-nothing step: a write of it failing (a full disk)
+    leaves masters, states and copies as they were; the step retried continues exactly."""
+    from zinf_compile.errors import ZinfError
+
+    _, ref_losses, ref_masters = reference
+    model = mlp()
+    opts = {"params": "offload", "offload": "nvme", "gather_dtype": "bfloat16",
+            "offload_dir": os.path.join(offload_root, "gather-dtype")}
+    cm = torch.compile(model, backend="zinf", options=opts)
+    opt = optimizer(cm, torch.optim.AdamW, **HP)
+    opt.chunk_elems = 4096
+    losses = []
+    for step in range(STEPS):
+        loss = mlp_loss(cm)
+        loss.backward()
+        losses.append(loss.detach())
+        if step == 1:
+            engine = STORE.entry(model[0].weight).engine
+            real = engine.write_file
+
+            copies = []
+
+            def full(fd, t, offset=0):  # the disk fills at the 6th of the 8 copy chunks (2 weights x 4)
+                if t.dtype == torch.bfloat16:  # only the copies are bfloat16 here
+                    copies.append(offset)
+                    if len(copies) >= 6:
+                        raise OSError(28, "No space left on device")
+                return real(fd, t, offset)
+
+            with monkeypatch.context() as m:
+                m.setattr(engine, "write_file", full)
+                with pytest.raises(ZinfError, match="nothing was applied"):
+                    opt.step()
+            with torch.no_grad():  # the gathers still read the copy of the unchanged masters
+                assert torch.equal(mlp_loss(cm), losses[-1])
+        opt.step()
+        opt.zero_grad()
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert torch.equal(a, b), (i, losses, ref_losses)
+    masters = full_state_dict(cm)
+    for k, v in ref_masters.items():
+        assert torch.equal(masters[k], v), k
 
 
 def test_hf_llama_trains_as_the_recipe(offload_root):
