@@ -22,10 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "dist_train.py")
 
 
-def torchrun(nproc: int, out: str, tier: str, offload_dir: str) -> dict:
+def torchrun(nproc: int, out: str, tier: str, offload_dir: str, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--standalone", WORKER, out, tier, offload_dir]
+           "--standalone", WORKER, out, tier, offload_dir, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out) as f:
@@ -36,16 +36,20 @@ def torchrun(nproc: int, out: str, tier: str, offload_dir: str) -> dict:
 def runs(tmp_path_factory, offload_root):
     tmp = tmp_path_factory.mktemp("dist")
     out = {}
-    for n in (1, 2):
+    for n, gather in ((1, ()), (2, ()), ("1-bf16", ("bfloat16",)), ("2-bf16", ("bfloat16",))):
         d = os.path.join(offload_root, f"dist{n}")
-        out[n] = torchrun(n, str(tmp / f"w{n}.json"), "nvme", d)
+        out[n] = torchrun(int(str(n)[0]), str(tmp / f"w{n}.json"), "nvme", d, *gather)
         out[n]["state"] = torch.load(str(tmp / f"w{n}.json.pt"))
         out[n]["left"] = [f for _, _, fs in os.walk(d) for f in fs] if os.path.exists(d) else []
     return out
 
 
-def test_two_ranks_match_one_process(runs):
-    one, two = runs[1], runs[2]
+@pytest.mark.parametrize("gather", ["", "-bf16"], ids=["float32", "bfloat16-gathers"])
+def test_two_ranks_match_one_process(runs, gather):
+    """gather_dtype="bfloat16": each rank gathers its shard's bf16 copy and all-gathers it widened."""
+    one, two = runs[f"1{gather}"] if gather else runs[1], runs[f"2{gather}"] if gather else runs[2]
+    assert one["gathers_from"] == two["gathers_from"] == (["torch.bfloat16"] if gather else ["torch.float32"])
+    assert (one["losses"] != runs[1]["losses"]) == bool(gather)  # the rounded weights change the losses
     assert two["world"] == 2 and one["world"] == 1
     assert one["managed"] == two["managed"] and len(one["managed"]) == 2
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
@@ -76,4 +80,4 @@ def test_two_ranks_gather_and_reduce_with_functional_collectives_in_the_graph(ru
 
 
 def test_no_files_left(runs):
-    assert runs[1]["left"] == [] and runs[2]["left"] == []
+    assert all(r["left"] == [] for r in runs.values())

@@ -1,6 +1,6 @@
 """A training run for the multi-rank tests, started by torchrun:
 
-    torchrun --nproc-per-node N tests/workers/dist_train.py OUT.json TIER OFFLOAD_DIR
+    torchrun --nproc-per-node N tests/workers/dist_train.py OUT.json TIER OFFLOAD_DIR [GATHER_DTYPE]
 
 Trains a small model for a few steps on one global batch split over the ranks (gloo), with every
 large parameter sharded (params="offload") and zinf's optimizer; rank 0 writes the losses (the mean
@@ -23,13 +23,14 @@ def build():
     return torch.nn.Sequential(torch.nn.Linear(65, 257), torch.nn.GELU(), torch.nn.Linear(257, 65))
 
 
-def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
+def main(out: str, tier: str, offload_dir: str, gather_dtype: str | None = None, steps: int = 3) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
     x, y = torch.randn(32, 65), torch.randn(32, 65)
     model = torch.compile(build(), backend="zinf",
-                          options={"params": "offload", "offload": tier, "offload_dir": offload_dir})
+                          options={"params": "offload", "offload": tier, "offload_dir": offload_dir,
+                                   "gather_dtype": gather_dtype})
     opt = zinf_compile.optimizer(model, torch.optim.AdamW, lr=1e-2)
     xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
     losses = []
@@ -53,10 +54,11 @@ def main(out: str, tier: str, offload_dir: str, steps: int = 3) -> None:
         with open(out, "w") as f:
             json.dump({"world": world, "losses": losses, "shard_bytes": [int(t) for t in per_rank],
                        "managed": [e.name for e in STORE.entries()], "collectives": collectives,
+                       "gathers_from": sorted({str(e.read_dtype) for e in STORE.entries()}),
                        "saved_whole": saved_whole_parameters(rec.graphs["forward"])}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])
