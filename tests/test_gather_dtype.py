@@ -208,6 +208,35 @@ def test_a_gather_reads_half_the_bytes(offload_root):
         assert torch.allclose(out, ref(X), rtol=1e-5, atol=1e-6)
 
 
+def test_a_training_step_moves_two_bytes_less_per_gathered_element(offload_root):
+    """Bytes through the swap files per training step, exact counts of the engine: each gather
+    (forward and backward) reads 2 bytes per element instead of 4, and the step writes the copy
+    (2 bytes per element) besides the float32 master and states."""
+    moved = {}
+    for gather in (None, "bfloat16"):
+        model = mlp()
+        opts = {"params": "offload", "offload": "nvme", "gather_dtype": gather,
+                "offload_dir": os.path.join(offload_root, "gather-dtype")}
+        cm = torch.compile(model, backend="zinf", options=opts)
+        opt = optimizer(cm, torch.optim.AdamW, **HP)
+        for step in range(2):  # the first compiles, takes over and makes the files
+            engine = STORE.entry(model[0].weight).engine if step else None
+            before = dict(engine.stats) if step else None
+            gathers = STORE.stats["gathers"]
+            mlp_loss(cm).backward()
+            opt.step()
+            opt.zero_grad()
+        moved[gather] = {k: engine.stats[k] - before[k] for k in ("bytes_read", "bytes_written")}
+        moved[gather]["gathers"] = STORE.stats["gathers"] - gathers
+        del cm, opt, model
+        torch._dynamo.reset()
+    numel = 256 * 64  # both weights
+    fp32, bf16 = moved[None], moved["bfloat16"]
+    assert fp32["gathers"] == bf16["gathers"] >= 2, moved
+    assert fp32["bytes_read"] - bf16["bytes_read"] == fp32["gathers"] * numel * 2, moved
+    assert bf16["bytes_written"] - fp32["bytes_written"] == 2 * numel * 2, moved
+
+
 def test_bad_gather_dtype_is_a_clear_error():
     with pytest.raises(ZinfConfigError, match="gather_dtype: expected 'bfloat16' or 'float16'"):
         ZinfConfig.from_options({"gather_dtype": "int8"})
