@@ -397,3 +397,121 @@ def test_submit_map_checks_in_pieces_and_reports_a_bad_block_through_its_futures
         e.map_file(fd, 0, 1000, torch.float32)  # elsewhere: fine
     finally:
         e.close()
+
+
+def _flip(path: str, at: int, keep_mtime: bool = True) -> None:
+    """Flip one bit of the file at byte `at`, its mtime set back (what a failing disk leaves)."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x04]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_source_file_is_checked_per_block_from_its_first_read(tmp_path, monkeypatch):
+    """The engine on a file it does not own (watch_source): two tensors sharing a block, the last
+    block shorter than BLOCK_BYTES. The first read or mapping of a block records its digest, each
+    later one (read, map_file, submit_map's pieces) checks it: a flipped bit with the mtime kept
+    is an error naming the file, the parameter read and both holding the block; a changed mtime
+    or size is one before any byte is read."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    monkeypatch.setattr(eng_mod, "VERIFY_BYTES", 2 * eng_mod.BLOCK_BYTES)
+    B = eng_mod.BLOCK_BYTES
+    a = torch.randn((B + 1000) // 4)  # bytes [64, B + 1064): ends inside block 1
+    b = torch.randn((3 * B) // 4 - 500)  # starts inside block 1, ends inside the last block (3)
+    path = str(tmp_path / "weights.bin")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64 + a.numpy().tobytes() + b.numpy().tobytes() + b"tail")
+    size = os.path.getsize(path)
+    a_at, b_at = 64, 64 + a.numel() * 4
+    fd = os.open(path, os.O_RDONLY)
+    e = eng_mod.OffloadEngine(424271, "nvme", str(tmp_path / "swap"), 3, False)
+    try:
+        e.watch_source(fd, path, "a", a_at, a.numel() * 4)
+        src = e.watch_source(fd, path, "b", b_at, b.numel() * 4)
+        out = torch.empty_like(a)
+        e.read_file(fd, out, a_at)
+        assert torch.equal(out, a) and sorted(src.sums) == [0, 1]  # whole blocks, block 1 shared
+        assert torch.equal(e.map_file(fd, b_at, b.numel(), torch.float32), b)
+        assert sorted(src.sums) == [0, 1, 2, 3] and src.block(3) == (3 * B, size - 3 * B)
+        t, futures = e.submit_map(fd, b_at, b.numel(), torch.float32)  # checked in two pieces
+        assert len(futures) == 2
+        eng_mod._join(futures)
+        assert torch.equal(t, b)
+        _flip(path, a_at + a.numel() * 4 - 8)  # a's bytes in block 1, which b shares
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with pytest.raises(SwapCorruptionError) as info:
+            e.read_file(fd, torch.empty_like(b), b_at)
+        msg = str(info.value)
+        assert (path in msg and "read in place for parameter 'b'" in msg and f"bytes [{B}, {2 * B})" in msg
+                and "parameters 'a', 'b'" in msg and "Restore or re-download" in msg), msg
+        with pytest.raises(SwapCorruptionError, match="read in place for parameter 'a'"):
+            e.map_file(fd, a_at, a.numel(), torch.float32)
+        _, futures = e.submit_map(fd, b_at, b.numel(), torch.float32)
+        assert [type(f.exception()) for f in futures] == [SwapCorruptionError, type(None)]
+        _flip(path, a_at + a.numel() * 4 - 8, keep_mtime=False)  # back, with a new mtime
+        with pytest.raises(SwapCorruptionError, match="modified after zinf loaded it"):
+            e.map_file(fd, a_at, a.numel(), torch.float32)
+        os.utime(path, ns=(os.stat(path).st_atime_ns, src.mtime_ns))
+        assert torch.equal(e.map_file(fd, a_at, a.numel(), torch.float32), a)  # as at load again
+        os.truncate(path, b_at + 100)
+        with pytest.raises(SwapCorruptionError, match=r"holds \d+ bytes, \d+ when zinf loaded it \(truncated\)"):
+            e.map_file(fd, b_at, b.numel(), torch.float32)  # never a SIGBUS
+    finally:
+        e.close()
+        os.close(fd)
+
+
+def test_a_checkpoint_read_in_place_is_checked_at_every_mapped_gather(tmp_path, offload_root):
+    """A compiled Llama loaded in place on the CPU (gathers map the safetensors file): a weight's
+    bit flipped after the first forward (mtime kept) or its file cut short is a SwapCorruptionError
+    naming the file and the weight at the next forward, never data computed with nor a SIGBUS;
+    restored, the forward gives the first forward's logits."""
+    import transformers as tf
+
+    from zinf_compile.errors import SwapCorruptionError
+
+    zinf_compile.reset()
+    ckpt = tmp_path / "ck"
+    hf_model("llama", seed=3).save_pretrained(ckpt)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(hf_model("llama").config)
+    opts = {"params": "offload", "offload": "nvme", "offload_dir": os.path.join(offload_root, "inplace-mapped")}
+    zinf_compile.load_pretrained(model, ckpt, options=opts, in_place=True)
+    cm = torch.compile(model.eval(), backend="zinf", options=opts)
+    batch = hf_batch("llama", batch=1, seq=16)
+    with torch.no_grad():
+        ref = cm(**batch).logits
+        assert torch.equal(cm(**batch).logits, ref)
+    name = "model.layers.1.mlp.down_proj.weight"
+    e = _entry(model, name)
+    assert e.source is not None and e.maps
+    path = e.source
+    with open(path, "rb") as f:
+        saved = f.read()
+    st = os.stat(path)
+    try:
+        for damage in ("flipped", "truncated"):
+            if damage == "flipped":
+                _flip(path, e.base + e.shard_nbytes // 3)
+            else:
+                os.truncate(path, e.base + e.shard_nbytes // 2)
+            with pytest.raises(SwapCorruptionError) as info, torch.no_grad():
+                cm(**batch)
+            msg = str(info.value)
+            assert path in msg and "parameter '" in msg, msg
+            assert (name in msg and "differ" in msg) if damage == "flipped" else "truncated" in msg, msg
+            with open(path, "r+b") as f:
+                f.write(saved)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            with torch.no_grad():
+                assert torch.equal(cm(**batch).logits, ref)
+    finally:
+        with open(path, "r+b") as f:
+            f.write(saved)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        zinf_compile.reset()

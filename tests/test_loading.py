@@ -466,3 +466,171 @@ def test_resident_option_materializes_in_memory(sharded):
     zinf_compile.materialize(fresh, options={"params": "resident"})
     assert not any(STORE.is_managed(p) for p in fresh.parameters())
     assert all(torch.equal(eager.state_dict()[k], v) for k, v in fresh.state_dict().items())
+
+
+# -- checkpoints read in place: the file must stay the one loaded (SourceFile, engine.py) ----------
+
+def _in_place(sharded, tmp_path, offload_root, sub: str, verify: str = "first-read"):
+    """A copy of the sharded Llama's checkpoint, loaded in place into a model built on meta."""
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+    model = _meta_llama(_llama_config())
+    more = {} if verify == "first-read" else {"verify": verify}  # the default, as most users load
+    zinf_compile.load_pretrained(model, copy, options=_opts(offload_root, sub), in_place=True, **more)
+    return model.eval(), copy
+
+
+def _where(model, name: str) -> tuple[str, int, int]:
+    """The file a parameter is read from in place, its first byte there and its length."""
+    e = STORE.entry(dict(model.named_parameters())[name])
+    assert e.source is not None
+    return e.source, e.base, e.shard_nbytes
+
+
+def _damage(path: str, how: str, lo: int, n: int) -> None:
+    """Change a checkpoint file under a model reading it: one byte of [lo, lo+n) flipped, 4 KiB of
+    it zeroed, the file cut in the middle of it, or all its tensors' bytes rewritten in place (the
+    same size, header and inode); ", mtime kept" sets the mtime back after (what a failing disk, or
+    a copy that keeps times, leaves: only the digests can tell)."""
+    st = os.stat(path)
+    if how.startswith("truncated"):
+        os.truncate(path, lo + n // 2)
+    else:
+        with open(path, "r+b") as f:
+            if how.startswith("flipped"):
+                f.seek(lo + n // 2)
+                byte = f.read(1)[0]
+                f.seek(lo + n // 2)
+                f.write(bytes([byte ^ 0x10]))
+            elif how.startswith("zeroed"):
+                f.seek(lo + n // 4)
+                f.write(bytes(4096))
+            else:
+                head = 8 + int.from_bytes(f.read(8), "little")
+                body = torch.randn((st.st_size - head) // 4, generator=torch.Generator().manual_seed(9))
+                f.seek(head)
+                f.write(body.numpy().tobytes())
+    if how.endswith("mtime kept"):
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+HOWS = ["flipped", "zeroed", "truncated", "rewritten", "flipped, mtime kept", "zeroed, mtime kept",
+        "rewritten, mtime kept"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_checkpoint_changed_under_an_in_place_model_is_an_error(sharded, tmp_path, offload_root, how):
+    """A safetensors file read in place, changed after the model's first forward (reads, eager): the
+    next forward raises SwapCorruptionError naming the file and a parameter read from it, and
+    saying what to do; with the mtime set back, only the digests recorded at the first read can
+    tell, and the error names the damaged weight. Untouched, and again once restored, the logits
+    are those of the first forward."""
+    from zinf_compile.errors import SwapCorruptionError
+
+    model, _ = _in_place(sharded, tmp_path, offload_root, "changed")
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    first = _logits(model, ids)
+    assert torch.equal(_logits(model, ids), first)  # untouched: the same
+    name = "model.layers.1.mlp.up_proj.weight"
+    path, lo, n = _where(model, name)
+    with open(path, "rb") as f:
+        saved = f.read()
+    st = os.stat(path)
+    try:
+        _damage(path, how, lo, n)
+        with pytest.raises(SwapCorruptionError) as info:
+            _logits(model, ids)
+        msg = str(info.value)
+        assert path in msg and "parameter '" in msg and "Restore or re-download the checkpoint" in msg, msg
+        if how.endswith("mtime kept"):
+            assert name in msg and "differ from what zinf read there first" in msg, msg
+        else:
+            assert ("truncated" if how == "truncated" else "mtime changed") in msg, msg
+    finally:
+        with open(path, "r+b") as f:
+            f.write(saved)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert torch.equal(_logits(model, ids), first)
+    zinf_compile.reset()
+
+
+def test_verify_load_digests_the_checkpoint_before_its_first_read(sharded, tmp_path, offload_root):
+    """verify="load" reads every in-place tensor once at load: a byte changed after the load and
+    before any forward, mtime kept (what trust on first read would take as it is), is an error
+    at the first forward; a bad value of verify is refused."""
+    from zinf_compile.errors import SwapCorruptionError, ZinfConfigError
+
+    with pytest.raises(ZinfConfigError, match="verify"):
+        zinf_compile.load_pretrained(_meta_llama(_llama_config()), sharded, in_place=True, verify="always")
+    model, _ = _in_place(sharded, tmp_path, offload_root, "verifyload", verify="load")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    path, lo, n = _where(model, name)
+    with open(path, "rb") as f:
+        saved = f.read()
+    _damage(path, "flipped, mtime kept", lo, n)
+    with pytest.raises(SwapCorruptionError, match=r"differ from what zinf read there first") as info:
+        _logits(model, hf_models.hf_batch("llama")["input_ids"])
+    assert path in str(info.value) and name in str(info.value)
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # restored: reset gives the parameters their data back
+        f.write(saved)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    zinf_compile.reset()
+
+
+def test_a_checkpoint_changed_between_two_loads_in_one_process(sharded, tmp_path, offload_root):
+    """The same path loaded in place twice in one process. Rewritten in place while the first
+    model still reads it: the second load refuses (they would share one descriptor and its digests),
+    and the first model's next read raises. After reset, it loads the new bytes (no stale digest).
+    Replaced (os.replace: a new file at the path) under a running model: the model keeps reading
+    the file it loaded, still there; a new load reads the new file, or says it cannot, never the
+    old file's values."""
+    import gc
+
+    import transformers as tf
+
+    from zinf_compile.errors import SwapCorruptionError
+
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    first, copy = _in_place(sharded, tmp_path, offload_root, "twice")
+    versions = []
+    for seed in (1, 2):
+        other = tmp_path / f"v{seed}"
+        hf_models.hf_model("llama", seed=seed).save_pretrained(other, max_shard_size="300KB")
+        assert sorted(os.listdir(other)) == sorted(os.listdir(copy))
+        versions.append((other, _logits(tf.LlamaForCausalLM.from_pretrained(other).eval(), ids)))
+    files = [f for f in os.listdir(copy) if f.endswith(".safetensors")]
+
+    (v1, want1), (v2, want2) = versions
+    for f in files:  # rewritten in place: the same inodes
+        with open(copy / f, "r+b") as out:
+            out.write((v1 / f).read_bytes())
+            out.truncate()
+    with pytest.raises(ZinfError, match="changed since an earlier load_pretrained read it in place") as info:
+        zinf_compile.load_pretrained(_meta_llama(_llama_config()), copy, options=_opts(offload_root, "twice"),
+                                     in_place=True)
+    assert str(copy) in str(info.value)
+    with pytest.raises(SwapCorruptionError):
+        _logits(first, ids)
+    del first
+    gc.collect()
+    zinf_compile.reset()
+    second = _meta_llama(_llama_config()).eval()
+    zinf_compile.load_pretrained(second, copy, options=_opts(offload_root, "twice"), in_place=True)
+    assert torch.equal(_logits(second, ids), want1)
+
+    for f in files:  # replaced: new inodes at the paths
+        os.replace(v2 / f, copy / f)
+    assert torch.equal(_logits(second, ids), want1)  # the files it loaded, still open
+    third = _meta_llama(_llama_config()).eval()
+    try:
+        zinf_compile.load_pretrained(third, copy, options=_opts(offload_root, "twice"), in_place=True)
+    except ZinfError as err:  # ParamStore still holds the descriptor of the replaced file
+        assert "was replaced by another file" in str(err) and str(copy) in str(err), err
+    else:
+        assert torch.equal(_logits(third, ids), want2)
+    del second, third
+    gc.collect()
+    zinf_compile.reset()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from zinf_compile.errors import ZinfError
+from zinf_compile.errors import ZinfConfigError, ZinfError
 
 __all__ = ["load_pretrained", "materialize"]
 
@@ -230,6 +230,7 @@ class _Placer:
             nbytes = file_bytes(sum(p.numel() * p.element_size() for p in big), any(p.requires_grad for p in big))
             self.session = Session.start(self.cfg, self.device.type, file_bytes=nbytes)
         self.master = getattr(torch, self.cfg.master_dtype) if self.cfg.master_dtype else None
+        self.watched: dict[int, list[tuple[int, int]]] = {}  # fd read in place -> byte ranges this load reads
 
     def sharded(self, t: torch.Tensor) -> bool:
         from zinf_compile.planner import PERSIST_BYTES
@@ -271,14 +272,59 @@ class _Placer:
         return (p.is_meta and self.sharded(p) and self.session.tier == "nvme" and self.master is None
                 and stored.dtype == p.dtype and stored.start % p.element_size() == 0 and world()[1] == 1)
 
+    def check_sources(self, paths) -> None:
+        """Before anything of them is read in place: a file parameters of an earlier load still
+        read in place (this engine's, through the descriptor this load would share) must not have
+        changed since that load, whose digests would then meet other bytes (SourceFile)."""
+        from zinf_compile.runtime.state import STORE, get_engine
+
+        if not paths:
+            return
+        eng = get_engine(self.session.engine_key)
+        for path in paths:
+            now = os.stat(path)
+            users = [x for x in STORE.entries() if x.source == path and x.engine_key == eng.key and x.fd is not None]
+            for fd in {x.fd for x in users}:
+                st, src = os.fstat(fd), eng.source(fd)
+                if src is not None and os.path.samestat(st, now) and (why := src.changed(st)) is not None:
+                    names = [x.name for x in users if x.fd == fd]
+                    raise ZinfError(f"zinf: {path} changed since an earlier load_pretrained read it in place ({why}), "
+                                    f"and {len(names)} parameter(s) of that load still read it ({_listed(names)}): "
+                                    "they cannot share it with this load. Drop that model (or call "
+                                    "zinf_compile.reset()) before loading the file again")
+
     def place_in_place(self, slot: _Slot, stored: StoredTensor) -> None:
-        """Parameter `slot`, storageless, managed with its shard where `stored` lies."""
+        """Parameter `slot`, storageless, managed with its shard where `stored` lies; from now on
+        every read of those bytes is checked (OffloadEngine.watch_source: digests on first read)."""
         from zinf_compile.runtime.state import STORE
 
         new = _new_param(_storageless(slot.obj, self.device), slot.obj)
         slot.put(new, "_parameters")
-        STORE.manage_in_place(STORE.identify(new, slot.name), self.session.engine_key, os.path.abspath(stored.file),
-                              stored.start, stored.dtype)
+        path = os.path.abspath(stored.file)
+        e = STORE.manage_in_place(STORE.identify(new, slot.name), self.session.engine_key, path,
+                                  stored.start, stored.dtype)
+        eng, renew = e.engine, False
+        if e.fd not in self.watched:  # the first tensor of this file in this load
+            st = os.fstat(e.fd)
+            if not os.path.samestat(st, os.stat(path)):
+                raise ZinfError(f"zinf: {path} was replaced by another file since this process first opened it to "
+                                "read in place, and zinf's descriptor still reads the old one: load it in a new "
+                                "process, or without in_place=True")
+            src = eng.source(e.fd)
+            renew = src is not None and src.changed(st) is not None  # changed since a load now gone
+        eng.watch_source(e.fd, path, e.name, stored.start, stored.nbytes, renew=renew)
+        self.watched.setdefault(e.fd, []).append((stored.start, stored.start + stored.nbytes))
+
+    def digest_sources(self) -> None:
+        """load_pretrained(verify="load"): read what this load reads in place once, now, recording
+        every block's digest."""
+        from zinf_compile.runtime.state import get_engine
+
+        if not self.watched:
+            return
+        eng = get_engine(self.session.engine_key)
+        for fd, ranges in self.watched.items():
+            eng.digest_source(fd, ranges)
 
 
 def _storageless(like: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -310,8 +356,12 @@ def _listed(keys, limit: int = 8) -> str:
     return ", ".join(map(repr, keys[:limit])) + more
 
 
+VERIFY = ("first-read", "load")
+
+
 def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | None = None, *,
-                    device: str | torch.device = "cpu", in_place: bool = False) -> nn.Module:
+                    device: str | torch.device = "cpu", in_place: bool = False,
+                    verify: str = "first-read") -> nn.Module:
     """Load a Hugging Face safetensors checkpoint (`save_pretrained`'s folder: one file, or shards
     with their index) into `model`, whose parameters may be on the meta device: each parameter of
     64 KiB or more goes straight into its zinf shard (the tier and folder of `options`, the same
@@ -323,7 +373,19 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     `in_place=True` (the NVMe tier, one rank): a parameter whose stored dtype is its own is not
     copied at all; its shard is its bytes in the checkpoint file, read where they lie (mapped on a
     CPU device) and never written: the first gradient or write of it moves it to a swap file of its
-    own first (inference reads the checkpoint; training works too). Returns `model`."""
+    own first (inference reads the checkpoint; training works too).
+    A safetensors file has no checksums, so zinf cannot know its bytes were right; what it checks
+    (option "checksums", on by default) is that the file stays the one it loaded: every read or
+    mapping of an in-place shard checks the file's size and mtime against those at load, and the
+    xxh3-64 digest of each 256 KiB block against the one recorded at the block's first read, so a
+    file rewritten, truncated or damaged after that raises SwapCorruptionError naming the file and the
+    parameter. `verify="first-read"` (default) reads nothing at load: a block changed before its first
+    read without its mtime changing (a rewrite that keeps the mtime, a disk returning other bytes) is
+    taken as it is then. `verify="load"` reads every in-place tensor once at load and records its
+    digests: that gap closes, at the cost of reading them (disk speed; measured in
+    docs/decisions.md, "Checkpoints read in place: digests on first read"). Returns `model`."""
+    if verify not in VERIFY:
+        raise ZinfConfigError(f"verify: expected one of {VERIFY}, got {verify!r}")
     ckpt = Checkpoint(path)
     _tie(model)
     params, buffers = _slots(model, "_parameters"), _slots(model, "_buffers")
@@ -347,6 +409,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
     placer = _Placer(options, device, [s.obj for s in params])
     done: set[int] = set()
     order = sorted(kmap, key=lambda k: (ckpt.tensors[k].file, ckpt.tensors[k].start))  # sequential reads
+    if in_place:
+        placer.check_sources({os.path.abspath(ckpt.tensors[k].file) for k in order
+                              if kinds[id(by_name[kmap[k]])] == "_parameters"
+                              and placer.in_place(by_name[kmap[k]].obj, ckpt.tensors[k])})
     for k in order:
         slot = by_name[kmap[k]]
         if id(slot.obj) in done:
@@ -362,6 +428,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, options: dict | N
             placer.place(slot, value)
         done.add(id(slot.obj))
         del value
+    if verify == "load":
+        placer.digest_sources()
     _rebuild_meta_buffers(model, device)
     return model
 

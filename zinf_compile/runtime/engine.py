@@ -12,7 +12,10 @@ that overlaps compute: `prefetch` submits it to a thread pool, `wait` joins it.
 Every record written to a swap file (an activation, a parameter's shard, gradient, optimizer
 state) carries a 64-bit digest (xxh3) per BLOCK_BYTES of its file, checked wherever it is read or mapped: a
 zeroed, flipped or overwritten record is a SwapCorruptionError naming the file and what it holds,
-never data computed with (option "checksums" turns both off).
+never data computed with (option "checksums" turns both off). A file zinf reads in place and does
+not own (a safetensors checkpoint, `SourceFile`) has no digests of its own: zinf records each
+block's digest at its first read or mapping and checks every later one against it, and the file's
+size and mtime against those it had at load.
 """
 from __future__ import annotations
 
@@ -70,6 +73,51 @@ class PendingRead:
     refs: int = 0
 
 
+@dataclass(eq=False)
+class SourceFile:
+    """A file zinf reads in place and does not own (a safetensors checkpoint, `load_pretrained(...,
+    in_place=True)`), through the read-only descriptor `fd`. It has no digests of its own, so they
+    are taken on trust at first use: the first read or mapping of each BLOCK_BYTES block records
+    the xxh3-64 of the whole block (clipped to the file's size; a block two tensors share is one
+    block of the file), every later read or mapping of it checks it. `size` and `mtime_ns` are the
+    file's at load (`OffloadEngine.watch_source`): every read checks them first, and a block's
+    first digest is recorded only while they still hold (a change after load reaches no table)."""
+
+    path: str
+    fd: int
+    size: int
+    mtime_ns: int
+    sums: dict = field(default_factory=dict)  # block k -> digest of bytes [k*B, min(k*B + B, size))
+    ranges: list = field(default_factory=list)  # (start, end, parameter name) registered at load
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # records a first digest
+
+    @classmethod
+    def of(cls, fd: int, path: str) -> "SourceFile":
+        st = os.fstat(fd)
+        return cls(path, fd, st.st_size, st.st_mtime_ns)
+
+    def block(self, k: int) -> tuple[int, int]:
+        """Block k's first byte and length (the file's last block is shorter)."""
+        return k * BLOCK_BYTES, min(BLOCK_BYTES, self.size - k * BLOCK_BYTES)
+
+    def changed(self, st: os.stat_result) -> str | None:
+        """How the file differs from the one loaded, from its fstat (None: it does not)."""
+        if st.st_size != self.size:
+            how = "truncated" if st.st_size < self.size else "grown"
+            return f"it holds {st.st_size} bytes, {self.size} when zinf loaded it ({how})"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "it was modified after zinf loaded it (its mtime changed)"
+        return None
+
+    def holders(self, lo: int, hi: int) -> str:
+        """The parameters whose bytes fall in [lo, hi), for error messages."""
+        names = list(dict.fromkeys(n for a, b, n in self.ranges if a < hi and lo < b))
+        if not names:
+            return f"bytes [{lo}, {hi})"
+        return ("parameter " if len(names) == 1 else "parameters ") + ", ".join(map(repr, names[:4])) + (
+            f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def inverse_order(dim_order) -> list[int]:
     """The permutation that undoes `dim_order` (wait returns the stored layout permuted back)."""
     inverse = [0] * len(dim_order)
@@ -123,6 +171,7 @@ class OffloadEngine:
         self.stats = {"offloads": 0, "prefetches": 0, "waits": 0, "bytes_written": 0, "bytes_read": 0}
         self._parent_fds: frozenset[int] = frozenset()  # in a forked child: the parent's files, read-only
         self._parent_sums: dict[int, dict] = {}  # and their checksums
+        self._sources: dict[int, SourceFile] = {}  # fd -> a file read in place (watch_source)
         self.buffers = HostBuffers()
         if tier == "nvme":
             self.swap  # fail now, naming the path, rather than in the middle of a step
@@ -134,6 +183,8 @@ class OffloadEngine:
         self._lock = threading.RLock()
         self._pool = None
         self.buffers = HostBuffers()  # its lock may have been held at the fork
+        for src in self._sources.values():  # so may theirs; their descriptors and digests stay good
+            src.lock = threading.Lock()
         if self._swap is not None:
             self._parent_fds = frozenset(self._swap._fds.values()) | self._parent_fds
             self._parent_sums.update(self._swap.sums)
@@ -170,6 +221,7 @@ class OffloadEngine:
         self._stored.clear()
         self._reads.clear()
         self.buffers.clear()
+        self._sources.clear()
         if self._swap is not None:
             self._swap.close()
             self._swap = None
@@ -521,6 +573,130 @@ class OffloadEngine:
             if _digest(arr[at:at + length]) != digest:
                 raise SwapCorruptionError(self._corrupt(fd, k * BLOCK_BYTES, k * BLOCK_BYTES + length))
 
+    # -- files read in place (SourceFile): digests taken on trust at the first read -------------
+    # Reads and mappings of such a file are checked like a swap file's, per whole block (the last
+    # clipped to the file's size): a block's digest is taken from the first read or mapping that
+    # covers it and recorded under the file's lock, after an fstat shows the file still has the
+    # size and mtime it had at load (bytes read from a file changed since are never trusted); a
+    # later read or mapping that digests it otherwise, including a second first read racing the
+    # first on another I/O thread, raises SwapCorruptionError naming the file and the parameter.
+    def watch_source(self, fd: int, path: str, name: str, start: int, nbytes: int,
+                     renew: bool = False) -> SourceFile:
+        """Check parameter `name`, bytes [start, start + nbytes) of the file `path` read in place
+        through `fd`, from now on (load_pretrained). The first call for `fd`, or one with `renew`
+        (the file changed since an earlier load, whose parameters are all gone), takes the file's
+        size and mtime now as the ones it must keep and starts an empty digest table."""
+        with self._lock:
+            src = self._sources.get(fd)
+            if src is None or renew:
+                src = self._sources[fd] = SourceFile.of(fd, path)
+            src.ranges.append((start, start + nbytes, name))
+            return src
+
+    def source(self, fd: int) -> SourceFile | None:
+        """The file read in place behind `fd`, if watch_source registered it."""
+        return self._sources.get(fd)
+
+    def _source_of(self, fd: int) -> SourceFile | None:
+        """The file read in place behind `fd`, when its blocks are digested (option "checksums")."""
+        return self._sources.get(fd) if self.checksums else None
+
+    def _source_error(self, src: SourceFile, lo: int, hi: int, what: str) -> str:
+        return (f"zinf: the checkpoint file {src.path}, read in place for {src.holders(lo, hi)}, is not the file "
+                f"zinf loaded: {what}. Another process rewrote or truncated it, or the disk returns other bytes "
+                "than before; nothing was computed with them. Restore or re-download the checkpoint, then load "
+                "the model again (zinf_compile.reset(), then load_pretrained into a new model)")
+
+    def _changed_block(self, src: SourceFile, k: int, lo: int, hi: int) -> SwapCorruptionError:
+        start, length = src.block(k)
+        return SwapCorruptionError(self._source_error(
+            src, lo, hi, f"bytes [{start}, {start + length}) (of {src.holders(start, start + length)}) differ from "
+                         "what zinf read there first (their xxh3-64 digest)"))
+
+    def _record_source(self, src: SourceFile, fresh: dict, lo: int, hi: int) -> None:
+        """Record first digests (block -> digest), taken from bytes read for [lo, hi): only while
+        the file still has its size and mtime from load; a block another thread recorded meanwhile
+        must agree."""
+        with src.lock:
+            why = src.changed(os.fstat(src.fd))
+            if why is not None:
+                raise SwapCorruptionError(self._source_error(src, lo, hi, why))
+            for k, d in fresh.items():
+                if src.sums.setdefault(k, d) != d:
+                    raise self._changed_block(src, k, lo, hi)
+
+    def _verify_source_read(self, src: SourceFile, view, off: int, n: int, base: int) -> None:
+        """Check bytes [off, off+n) just read into `view` (file position base+off) against the
+        blocks' digests, recording those read for the first time. A block read in part is read
+        whole, checked, and the part copied from it (as _verify_read does)."""
+        pos, end = base + off, base + off + n
+        fresh = {}
+        for k in range(pos // BLOCK_BYTES, (end - 1) // BLOCK_BYTES + 1):
+            start, length = src.block(k)
+            if pos <= start and start + length <= end:
+                d = _digest(view[start - base:start + length - base])
+            else:
+                block = self._read_block(src.fd, start, length)
+                d = _digest(block[:length])
+                lo, hi = max(pos, start), min(end, start + length)
+                view[lo - base:hi - base] = block[lo - start:hi - start]
+            rec = src.sums.get(k)
+            if rec is None:
+                fresh[k] = d
+            elif rec != d:
+                raise self._changed_block(src, k, pos, end)
+        if fresh:
+            self._record_source(src, fresh, pos, end)
+
+    def _verify_source_mapped(self, src: SourceFile, arr, start: int, pos: int, end: int, lo: int, hi: int) -> None:
+        """Check the blocks of file bytes [lo, hi) (block boundaries) in `arr`, a mapping of the
+        file from byte `start` made for the tensor at [pos, end), recording first digests."""
+        fresh = {}
+        for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1):
+            at, length = src.block(k)
+            d = _digest(arr[at - start:at - start + length])
+            rec = src.sums.get(k)
+            if rec is None:
+                fresh[k] = d
+            elif rec != d:
+                raise self._changed_block(src, k, pos, end)
+        if fresh:
+            self._record_source(src, fresh, pos, end)
+
+    def digest_source(self, fd: int, ranges, piece: int = 4 << 20) -> int:
+        """Read the blocks of `ranges` ((start, end) byte ranges) of the file read in place behind
+        `fd` once, now, in pieces over the I/O threads, recording each block's digest (checking
+        those recorded already): load_pretrained(..., verify="load"). The bytes go through one
+        reused buffer per thread (no mapping, nothing kept). Returns the bytes read."""
+        src = self._sources[fd]
+        if not self.checksums:
+            return 0
+        blocks = sorted({k for a, b in ranges if b > a for k in range(a // BLOCK_BYTES, (b - 1) // BLOCK_BYTES + 1)})
+        per = max(1, piece // BLOCK_BYTES)
+        runs, run = [], []
+        for k in blocks:
+            if run and (k != run[-1] + 1 or len(run) == per):
+                runs.append(run)
+                run = []
+            run.append(k)
+        if run:
+            runs.append(run)
+        self.check_size(fd, 0, src.size)
+        _join([self.pool.submit(self._digest_run, src, r[0], r[-1]) for r in runs])
+        return sum(src.block(k)[1] for k in blocks)
+
+    def _digest_run(self, src: SourceFile, first: int, last: int) -> None:
+        lo, hi = first * BLOCK_BYTES, sum(src.block(last))
+        buf = _aligned(hi - lo)
+        try:
+            _pread_all(src.fd, memoryview(buf), lo)
+        except _EndOfFile:
+            raise SwapCorruptionError(self._source_error(
+                src, lo, hi, f"it ended before byte {hi} (truncated)")) from None
+        except OSError as e:
+            raise ZinfError(f"zinf: reading {self._the_file(src.fd, lo, hi)} failed: {e.strerror or e}") from None
+        self._verify_source_mapped(src, buf, lo, lo, hi, lo, hi)
+
     def _write_bounced(self, fd: int, view, off: int, n: int, base: int) -> None:
         """An O_DIRECT write of bytes that do not start or end on a page: through an aligned buffer,
         the boundary pages read back first (a tile of a parameter starts anywhere)."""
@@ -542,11 +718,18 @@ class OffloadEngine:
             sums = self._sums_of(fd)
             if sums is not None:
                 self._verify_read(fd, sums, view, off, n, base)
+            elif (src := self._source_of(fd)) is not None:
+                self._verify_source_read(src, view, off, n, base)
         except _EndOfFile:
+            src = self._sources.get(fd)
+            if src is not None:
+                raise SwapCorruptionError(self._source_error(
+                    src, base + off, base + off + n, f"it ended before byte {base + off + n} (truncated)")) from None
             raise ZinfError(f"zinf: the swap file {self.describe(fd)} ended before byte {base + off + n}: it was "
                             "truncated while in use; its data are lost") from None
         except OSError as e:
-            raise ZinfError(f"zinf: reading the swap file {self.describe(fd)} failed: {e.strerror or e}") from None
+            raise ZinfError(f"zinf: reading {self._the_file(fd, base + off, base + off + n)} failed: "
+                            f"{e.strerror or e}") from None
 
     def _read_raw(self, fd: int, view, off: int, n: int, base: int) -> None:
         if _opened_direct(fd):
@@ -564,16 +747,35 @@ class OffloadEngine:
 
     def describe(self, fd: int) -> str:
         """The file behind fd and what it holds, for error messages."""
+        src = self._sources.get(fd)
+        if src is not None:
+            return f"{src.path} (a checkpoint file read in place)"
         return self._swap.describe(fd) if self._swap is not None else f"fd {fd}"
+
+    def _the_file(self, fd: int, lo: int, hi: int) -> str:
+        """'the swap file <path> (<what it holds>)', or for a file read in place 'the checkpoint
+        file <path> (read in place for parameter <name>)' (whose bytes [lo, hi) are)."""
+        src = self._sources.get(fd)
+        if src is not None:
+            return f"the checkpoint file {src.path} (read in place for {src.holders(lo, hi)})"
+        return f"the swap file {self.describe(fd)}"
 
     def check_size(self, fd: int, offset: int, nbytes: int) -> None:
         """Raise a ZinfError naming the file (and the parameter it holds) unless it has bytes
         [offset, offset + nbytes): a truncated file must never reach a mapping (SIGBUS) or be read
-        as zeros."""
+        as zeros. A file read in place must also have the size and mtime it had at load."""
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
         except OSError as e:
-            raise ZinfError(f"zinf: the swap file {self.describe(fd)} cannot be read: {e.strerror or e}") from None
+            raise ZinfError(f"zinf: {self._the_file(fd, offset, offset + nbytes)} cannot be read: "
+                            f"{e.strerror or e}") from None
+        size = st.st_size
+        src = self._sources.get(fd)
+        if src is not None and (why := src.changed(st)) is not None:
+            raise SwapCorruptionError(self._source_error(src, offset, offset + nbytes, why))
+        if src is not None and size < offset + nbytes:  # a registered range lies within the file at load
+            raise SwapCorruptionError(self._source_error(
+                src, offset, offset + nbytes, f"it holds {size} bytes, {offset + nbytes} expected"))
         if size < offset + nbytes:
             raise ZinfError(f"zinf: the swap file {self.describe(fd)} holds {size} bytes, {offset + nbytes} expected: "
                             "it was truncated (by another process or a full disk?); its data are lost")
@@ -643,11 +845,16 @@ class OffloadEngine:
         if nbytes == 0:
             return torch.empty(0, dtype=dtype), []
         sums = self._sums_of(fd)
+        src = self._source_of(fd) if sums is None else None
         start, end = offset, offset + nbytes
         if sums is not None:  # map whole blocks, to check them before the graph reads them
             first, last = offset // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
             self._verify_covered(fd, sums, first, last, offset, end)
             start, end = first * BLOCK_BYTES, last * BLOCK_BYTES + sums[last][0]
+        elif src is not None:  # the same, the last block clipped to the file's size at load
+            self.check_size(fd, offset, nbytes)
+            first, last = offset // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+            start, end = first * BLOCK_BYTES, sum(src.block(last))
         self.check_size(fd, start, end - start)  # a mapping past the file's end is a SIGBUS when read
         lead = start % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, lead + end - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
@@ -655,14 +862,17 @@ class OffloadEngine:
         if hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_WILLNEED)
         futures = []
-        if sums is not None:
+        if sums is not None or src is not None:
             arr = np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=lead)
             los = range(start, end, VERIFY_BYTES)
-            if not pieces or len(los) == 1:
-                self._verify_mapped(fd, sums, arr, start, start, end)
+            if sums is not None:
+                check, args = self._verify_mapped, (fd, sums, arr, start)
             else:
-                futures = [self.pool.submit(self._verify_mapped, fd, sums, arr, start, lo, min(end, lo + VERIFY_BYTES))
-                           for lo in los]
+                check, args = self._verify_source_mapped, (src, arr, start, offset, offset + nbytes)
+            if not pieces or len(los) == 1:
+                check(*args, start, end)
+            else:
+                futures = [self.pool.submit(check, *args, lo, min(end, lo + VERIFY_BYTES)) for lo in los]
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=lead + offset - start)
         return torch.from_numpy(arr).view(dtype), futures
 
