@@ -794,8 +794,8 @@ class ParamStore:
             if param.untyped_storage().nbytes():
                 raise ZinfError(f"zinf: parameter {name!r} holds data; only a storageless one is read in place")
             fd = self._sources.get(source)
-            if fd is None:
-                fd = self._sources[source] = os.open(source, os.O_RDONLY)
+            if fd is None or not os.path.samestat(os.fstat(fd), os.stat(source)):  # new, or replaced since
+                fd = self._sources[source] = os.open(source, os.O_RDONLY)  # (the old one stays its users')
             e = Entry(pid, name, tuple(param.shape), param.dtype, param.device, param.requires_grad, rank, size,
                       "nvme", engine_key, weakref.ref(param), fd=fd, source=source, base=offset,
                       gather_dtype=narrower(gather_dtype, param.dtype))
