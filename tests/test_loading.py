@@ -451,6 +451,41 @@ def test_in_place_reads_the_checkpoint_and_copies_it_on_training(sharded, tmp_pa
     assert digest() == before
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
+def test_gather_dtype_after_load_reads_bf16_copies_of_the_checkpoint(sharded, tmp_path, offload_root, in_place):
+    """load_pretrained with gather_dtype="bfloat16": the masters are the checkpoint's float32 values
+    (in place: its own bytes, never written), the compiled forward gathers bfloat16 copies (made at
+    the first gather in place) and equals from_pretrained's model with its managed weights rounded."""
+    import hashlib
+    import shutil
+
+    import transformers as tf
+
+    copy = tmp_path / "ck"
+    shutil.copytree(sharded, copy)
+    before = hashlib.sha256(b"".join((copy / f).read_bytes() for f in sorted(os.listdir(copy)))).hexdigest()
+    opts = dict(_opts(offload_root, "gather-bf16"), gather_dtype="bfloat16", params="offload")
+    model = _meta_llama(_llama_config())
+    zinf_compile.load_pretrained(model, copy, options=opts, in_place=in_place)
+    managed = [p for p in model.parameters() if STORE.is_managed(p)]
+    assert len(managed) == 16 and all(STORE.entry(p).gather_dtype == torch.bfloat16 for p in managed)
+    assert all(bool(STORE.entry(p).source) == in_place for p in managed)
+    ref = tf.LlamaForCausalLM.from_pretrained(copy).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.numel() * p.element_size() >= 64 << 10:
+                p.copy_(p.to(torch.bfloat16).float())
+    ids = hf_models.hf_batch("llama")["input_ids"]
+    got = _logits(torch.compile(model.eval(), backend="zinf", options=opts), ids)
+    torch.testing.assert_close(got, _logits(ref, ids), rtol=1e-5, atol=1e-5)
+    assert all(STORE.entry(p).copy_ok for p in managed)
+    masters = zinf_compile.full_state_dict(model)
+    want = tf.LlamaForCausalLM.from_pretrained(copy).state_dict()
+    assert [k for k in want if not torch.equal(want[k], masters[k])] == []  # float32, not rounded
+    assert hashlib.sha256(b"".join((copy / f).read_bytes() for f in sorted(os.listdir(copy)))).hexdigest() == before
+    zinf_compile.reset()
+
+
 def test_resident_option_materializes_in_memory(sharded):
     """options={"params": "resident"}: no shard at all, every tensor real, the same values."""
     import transformers as tf

@@ -230,6 +230,7 @@ class _Placer:
             nbytes = file_bytes(sum(p.numel() * p.element_size() for p in big), any(p.requires_grad for p in big))
             self.session = Session.start(self.cfg, self.device.type, file_bytes=nbytes)
         self.master = getattr(torch, self.cfg.master_dtype) if self.cfg.master_dtype else None
+        self.gather = getattr(torch, self.cfg.gather_dtype) if self.cfg.gather_dtype else None
         self.watched: dict[int, list[tuple[int, int]]] = {}  # fd read in place -> byte ranges this load reads
 
     def sharded(self, t: torch.Tensor) -> bool:
@@ -242,7 +243,7 @@ class _Placer:
         from zinf_compile.runtime.state import STORE
 
         STORE.manage(STORE.identify(p, name), self.session.tier, self.session.engine_key, self.master,
-                     budget=self.cfg.budget, value=value)
+                     budget=self.cfg.budget, value=value, gather_dtype=self.gather)
 
     def place(self, slot: _Slot, value: torch.Tensor) -> None:
         """Parameter `slot` takes `value` (of its shape and dtype, on the CPU)."""
@@ -302,7 +303,7 @@ class _Placer:
         slot.put(new, "_parameters")
         path = os.path.abspath(stored.file)
         e = STORE.manage_in_place(STORE.identify(new, slot.name), self.session.engine_key, path,
-                                  stored.start, stored.dtype)
+                                  stored.start, stored.dtype, gather_dtype=self.gather)
         eng, renew = e.engine, False
         if e.fd not in self.watched:  # the first tensor of this file in this load
             st = os.fstat(e.fd)
