@@ -255,15 +255,22 @@ class Entry:
             if self.tier == "cpu":
                 self.copy = self.shard.to(self.gather_dtype)
             else:
-                if self.copy_fd is None:
-                    self.copy_fd = self._acquire("low-precision copy")
-                buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
-                size = self.gather_dtype.itemsize
-                for start in range(0, self.shard_numel, chunk):
-                    part = buf[:min(chunk, self.shard_numel - start)]
-                    self.engine.read_file(self.fd, part, self.base + start * self.shard_dtype.itemsize)
-                    self.engine.write_file(self.copy_fd, part.to(self.gather_dtype), start * size)
+                self._transcribe(self._copy_file(), self.gather_dtype, chunk)
             self.copy_ok = True
+
+    def _copy_file(self) -> int:
+        if self.copy_fd is None:
+            self.copy_fd = self._acquire("low-precision copy")
+        return self.copy_fd
+
+    def _transcribe(self, dst: int, dtype: torch.dtype, chunk: int) -> None:
+        """The shard's values into file `dst` from its first byte, in `dtype`, chunk by chunk."""
+        buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
+        size = self.shard_dtype.itemsize
+        for start in range(0, self.shard_numel, chunk):
+            part = buf[:min(chunk, self.shard_numel - start)]
+            self.engine.read_file(self.fd, part, self.base + start * size)
+            self.engine.write_file(dst, part.to(dtype), start * dtype.itemsize)
 
     def _write_copy(self, flat: torch.Tensor) -> None:
         """The copy of a shard just written whole (`flat`, in shard_dtype). A failure leaves the copy
@@ -274,9 +281,7 @@ class Entry:
         if self.tier == "cpu":
             self.copy = flat.to(self.gather_dtype)
         else:
-            if self.copy_fd is None:
-                self.copy_fd = self._acquire("low-precision copy")
-            self.engine.write_file(self.copy_fd, flat.to(self.gather_dtype).contiguous())
+            self.engine.write_file(self._copy_file(), flat.to(self.gather_dtype).contiguous())
         self.copy_ok = True
 
     def refresh_copy(self) -> None:
@@ -359,13 +364,8 @@ class Entry:
         if self.source is None:
             return
         fd = self._acquire("shard")
-        buf = torch.empty(min(chunk, self.shard_numel), dtype=self.shard_dtype)
-        size = self.shard_dtype.itemsize
         try:
-            for start in range(0, self.shard_numel, chunk):
-                part = buf[:min(chunk, self.shard_numel - start)]
-                self.engine.read_file(self.fd, part, self.base + start * size)
-                self.engine.write_file(fd, part, start * size)
+            self._transcribe(fd, self.shard_dtype, chunk)
         except BaseException:  # the shard stays where it lies; the half-written file goes back
             n = self.file_nos.pop()
             self.engine.swap.release(n)
