@@ -12,12 +12,16 @@ Two contenders, each in a fresh process:
             (its own swap folder, budget and tiling switch, so its own engine), trained
             --model-steps steps, dropped, `torch._dynamo.reset()`; the same readings after each.
   inductor  both phases under plain Inductor with torch.optim.AdamW (phase 2 alternating an
-            Inductor option, so each model compiles anew): phase 1's losses zinf's must equal,
-            phase 2's RSS growth per model the baseline of what compiling leaves in a process.
+            Inductor option, with Inductor's FX graph cache and AOTAutograd's cache off, so each
+            model compiles anew as each of zinf's does: with them on, every model after the second
+            was a cache hit, which leaves less behind than a compile): phase 1's losses zinf's must
+            equal, phase 2's RSS growth per model the baseline of what compiling leaves in a process.
 
-Flat means: from the first reading after warm-up (a tenth of the readings) to the last, open
-files, threads and swap bytes do not grow, and RSS grows by less than 5% in phase 1 and by no
-more per model than Inductor's own phase 2 plus 0.25 MiB. Writes <out>/soak.json.
+Each reading trims the heap first (malloc_trim), so RSS counts what is held, not what the heap
+kept of freed memory. Flat means: from the first reading after warm-up (a tenth of the readings)
+to the last, open files, threads and swap bytes do not grow, and RSS grows by less than 5% in
+phase 1 and by no more per model than Inductor's own phase 2 plus 0.25 MiB. Writes
+<out>/soak.json.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _reading(swap_root: str) -> dict:
+    from bench import _rss
+
+    _rss.trim()  # freed heap pages handed back first: RSS then counts what is held, not the heap's history
     status = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -92,6 +99,10 @@ def worker(args) -> dict:
     del cm, opt, model, loss  # the last loss's autograd graph holds the compiled function
     torch._dynamo.reset()
     gc.collect()
+    if not zinf:  # each model compiles anew, as zinf's do (their option sets differ): no cache hit
+        import torch._functorch.config
+
+        torch._functorch.config.enable_autograd_cache = False
     models = []
     for i in range(args.models):
         m, idx, targets = _model(args, seed=i + 1)
@@ -101,7 +112,8 @@ def worker(args) -> dict:
             cm = torch.compile(m, backend="zinf", options=opts)
             opt = zinf_compile.optimizer(cm, torch.optim.AdamW, lr=1e-3)
         else:
-            cm = torch.compile(m, options={"max_autotune": False, "epilogue_fusion": i % 2 == 0})
+            cm = torch.compile(m, options={"max_autotune": False, "epilogue_fusion": i % 2 == 0,
+                                           "fx_graph_cache": False})
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         for _ in range(args.model_steps):
             cm(idx, targets).loss.backward()

@@ -24,9 +24,11 @@ the budget. A pass named in ZINF_DISABLE_PASSES is skipped (debugging only).
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,6 +90,7 @@ class _Driver:
         self.reports: list = []
         self.seconds: dict[str, float] = {}
         self.dumps: list[tuple[str, dict[str, str]]] = []
+        self.source_mark = _source_mark()  # torch.fx's sources filed from here on are this compile's
 
     def run(self, graphs: Graphs, passes) -> None:
         from zinf_compile.passes.verifier import check_invariants
@@ -112,7 +115,7 @@ class _Driver:
         once per batch of passes 8.8 of 113 s on a 128-layer one)."""
         t0 = time.perf_counter()
         for gm in graphs.values():
-            gm.recompile()
+            recompile(gm)
         self.seconds["recompile"] = self.seconds.get("recompile", 0.0) + time.perf_counter() - t0
 
     def facts(self, graphs: Graphs):
@@ -120,11 +123,92 @@ class _Driver:
                        step_cost=step_cost(self.req.profile))
 
 
+# torch.fx keeps the source of every module it generates code for, for the life of the process (its
+# _EvalCacheLoader and linecache, so tracebacks show the lines), under a name of its own,
+# "<eval_with_key>.N[ from ...]" with N counting up; a content-addressed name (profiler metadata on)
+# may be shared by other modules and is left alone. A compile's passes make modules that die with
+# it (the partitioner's, records' copies) and regenerate code (`finish`): ~110 KiB of source per
+# compile of a 2-layer GPT stayed after the model and its compile were gone (bench soak).
+_EVAL_KEY = "<eval_with_key>."
+
+
+def _eval_key_number(key) -> int | None:
+    if not isinstance(key, str) or not key.startswith(_EVAL_KEY):
+        return None
+    n = key[len(_EVAL_KEY):].split(" ", 1)[0]
+    return int(n) if n.isdigit() else None
+
+
+def _source_mark() -> int:
+    from torch.fx.graph_module import _loader
+
+    return _loader.next_id
+
+
+def _source_key(gm: fx.GraphModule) -> str | None:
+    """The name torch.fx filed the source of `gm`'s current code under, if one of its own."""
+    fwd = type(gm).__dict__.get("forward")
+    key = getattr(getattr(fwd, "__code__", None), "co_filename", None)
+    return key if _eval_key_number(key) is not None else None
+
+
+def _forget_source(key: str) -> None:
+    from torch.fx.graph_module import _loader
+
+    _loader.eval_cache.pop(key, None)
+    linecache.cache.pop(key, None)
+
+
+def release_source(gm: fx.GraphModule) -> None:
+    """The source of `gm`'s current code goes when `gm` does."""
+    key = _source_key(gm)
+    if key is not None:
+        weakref.finalize(gm, _forget_source, key).atexit = False
+
+
+def forget_sources_since(mark: int, live) -> None:
+    """Forget the sources torch.fx filed since `mark` (`_source_mark()`), but those of the modules
+    in `live`, tied to their lives instead. The others belong to modules the compile made and
+    dropped, or to code a module replaced: nothing runs them again (a frame of one that does runs
+    as before; a traceback shows no lines for it)."""
+    from torch.fx.graph_module import _loader
+
+    keep = set()
+    for gm in live:
+        release_source(gm)
+        keep.add(_source_key(gm))
+    for key in [k for k in list(_loader.eval_cache) if k not in keep]:
+        n = _eval_key_number(key)
+        if n is not None and n >= mark:
+            _forget_source(key)
+
+
+def recompile(gm: fx.GraphModule) -> None:
+    """gm.recompile(), forgetting the source of the code it replaces (no graph runs that code again)."""
+    old = _source_key(gm)
+    gm.recompile()
+    if old is not None and old != _source_key(gm):
+        _forget_source(old)
+
+
+def _forget_zinf_fake_dispatch() -> None:
+    """Drop the entries FakeTensorMode's dispatch cache (class-wide, never cleared) holds for zinf's
+    ops: their arguments carry a compile's constants (parameter ids, engine key, tickets), so an
+    entry never serves a later compile; ~18 per compile of a 2-layer GPT otherwise stay forever.
+    Run when a compile starts: the entries of the compile before it go."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = FakeTensorMode.cache
+    for k in [k for k in list(cache) if getattr(k.key[0], "namespace", None) == "zinf"]:
+        cache.pop(k, None)
+
+
 @paused_gc  # the passes and the partitioner make many small objects; a collection walks every graph node
 def compile_joint(joint: fx.GraphModule, joint_inputs, kwargs: dict, partition_fn: Callable, req: Request) -> Compiled:
     """AOT's joint graph -> planned forward and backward graphs."""
     from zinf_compile.passes import DropReducedOutputs, InsertGathers, ReduceGrads, SinkGathers, partition_pass
 
+    _forget_zinf_fake_dispatch()
     d = _Driver(req, kwargs["num_fwd_outputs"])
     graphs: Graphs = {"joint": joint}
     cands = tuple((i, m) for i, m, _ in req.candidates)
@@ -140,6 +224,7 @@ def compile_inference(gm: fx.GraphModule, req: Request) -> Compiled:
     """An inference graph, planned in place."""
     from zinf_compile.passes import InsertGathers, SinkGathers
 
+    _forget_zinf_fake_dispatch()
     d = _Driver(req, -1)
     graphs: Graphs = {"inference": gm}
     cands = tuple((i, dataclasses.replace(m, requires_grad=False)) for i, m, _ in req.candidates)
@@ -206,6 +291,7 @@ def _plan_and_apply(d: _Driver, graphs: Graphs) -> Compiled:
         out.record = records.add(plan, d.reports, graphs, peak)
         if req.dump_dir:
             _dump(req.dump_dir, out.record, d)
+    forget_sources_since(d.source_mark, [*graphs.values(), *(out.record.graphs.values() if out.record else ())])
     return out
 
 
