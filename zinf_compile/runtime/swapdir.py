@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 
 from zinf_compile.errors import ZinfConfigError, ZinfError
@@ -62,6 +63,7 @@ def _exit_on_sigterm() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
             if not isinstance(sys.unraisablehook, _Redeliver):
                 sys.unraisablehook = _Redeliver(sys.unraisablehook)
+            _watch_exit()
     except (ValueError, OSError):
         pass
 
@@ -70,39 +72,90 @@ class Terminated(SystemExit):
     """The exit zinf's SIGTERM handler raises (status 128 + SIGTERM)."""
 
 
+# Set once the interpreter has begun to exit (threading's exit hook, the first to run; atexit as a
+# fallback): from then on no SIGTERM is handed on again (_ended), so none raises into the exit
+# handlers (they remove the swap folder) by zinf's doing.
+_exiting = False
+_watching = False
+# The exits the handler raised, while they live: weakrefs whose callback (_ended) sees each go.
+_raised: set = set()
+
+
+def _mark_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+def _watch_exit() -> None:
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    import atexit
+
+    atexit.register(_mark_exiting)
+    register = getattr(threading, "_register_atexit", None)  # before threads are joined (3.9+)
+    if register is not None:
+        try:
+            register(_mark_exiting)
+        except RuntimeError:  # already shutting down
+            _mark_exiting()
+
+
 def _on_sigterm(signum, frame):
-    raise Terminated(128 + signum)
+    exit = Terminated(128 + signum)
+    _raised.add(weakref.ref(exit, _ended))
+    try:
+        raise exit
+    finally:  # no cycle (its traceback holds this frame): it ends as soon as nothing holds it
+        del exit
+
+
+def _ended(ref) -> None:
+    """A Terminated the handler raised is gone. Its normal end is the top of the main thread, as
+    the interpreter takes its status and exits: no Python frame is left there. Gone anywhere else,
+    something swallowed it and the program goes on: C code that calls Python and clears whatever
+    it raised (Dynamo's guards, evaluated at every call of a compiled function: a lambda guard that
+    raises is a failed guard; PyObject_HasAttr...), Python ignoring an exception in a finalizer, or
+    code catching SystemExit and dropping it. Then the SIGTERM is handed to the handler again."""
+    _raised.discard(ref)
+    if _exiting or sys._getframe().f_back is None:
+        return
+    _deliver_again()
+
+
+def _deliver_again() -> None:
+    """Run the SIGTERM handler again, from another thread a moment later (`_thread.interrupt_main`,
+    no new OS signal: a no-op if SIGTERM has its default action again), so it runs once the main
+    thread has left the code that swallowed the exit; if it lands in such code again, the new exit
+    is handed on in turn. A bare thread (`_thread`): nothing here takes threading's locks, which the
+    code that swallowed it may hold."""
+    def later() -> None:
+        time.sleep(0.002)
+        if not _exiting:
+            _thread.interrupt_main(signal.SIGTERM)
+
+    try:
+        _thread.start_new_thread(later, ())
+    except RuntimeError:  # no new thread at interpreter shutdown: the process is exiting anyway
+        pass
 
 
 class _Redeliver:
     """sys.unraisablehook while zinf's SIGTERM handler is set. Python runs a signal handler at
     the next bytecode of the main thread, which may be inside a finalizer (`weakref.finalize`,
     `__del__`, a weakref callback), where an exception is ignored ("Exception ignored in ...") and
-    the program goes on: the SIGTERM would be lost. The handler's exit arriving here is handed to
-    the handler again, from another thread a moment later (`_thread.interrupt_main`), so it runs
-    once the finalizer has returned (again, if it lands in another one). Everything else goes to
-    the hook that was set before."""
+    the program goes on. A Terminated the handler raised arriving here is not printed: it is
+    dropped once this returns, and its end hands the SIGTERM to the handler again (`_ended`).
+    Everything else goes to the hook that was set before."""
 
     def __init__(self, previous) -> None:
         self.previous = previous
 
     def __call__(self, unraisable) -> None:
-        if isinstance(unraisable.exc_value, Terminated) and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            while True:
-                # The timer's interrupt may land before start() returns (a loaded machine: its 1 ms
-                # passes before the main thread runs again), i.e. still inside this hook, where an
-                # exception is ignored too and the exit would be lost: that exit is caught here and
-                # handed on again, so exactly one stays on its way. The return follows start() in
-                # the try, with no check for signals between them (Python 3.11).
-                try:
-                    timer = threading.Timer(0.001, _thread.interrupt_main, (signal.SIGTERM,))
-                    timer.daemon = True
-                    timer.start()
-                    return
-                except Terminated:
-                    continue
-                except RuntimeError:  # no new thread at interpreter shutdown: the process is exiting anyway
-                    break
+        exc = unraisable.exc_value
+        if isinstance(exc, Terminated) and any(ref() is exc for ref in list(_raised)):
+            return
         self.previous(unraisable)
 
 
