@@ -578,13 +578,19 @@ class Entry:
         self.state_fds.clear()
 
 
+def _dead() -> None:
+    return None
+
+
 class ParamStore:
     """Every parameter a compile has seen (by storage, with a stable id) and those it manages."""
 
     def __init__(self) -> None:
         self._ids: dict[int, int] = {}  # storage key -> pid
-        self._params: dict[int, weakref.ref] = {}  # pid -> parameter
+        self._params: dict[int, weakref.ref] = {}  # pid -> parameter (a live one: `_drain` forgets the dead)
         self._names: dict[int, str] = {}
+        self._pids = itertools.count()  # a new id never reuses an old one
+        self._unnamed = itertools.count()  # names of parameters a graph met unmanaged (adopt)
         self._keys: dict[int, int] = {}  # pid -> storage key (changes when manage swaps a storage)
         self._entries: dict[int, Entry] = {}  # pid -> entry, for managed parameters
         self._lock = threading.RLock()
@@ -660,7 +666,7 @@ class ParamStore:
             k = _key(param)
             pid = self._ids.get(k)
             if pid is None:
-                pid = len(self._params)
+                pid = next(self._pids)
                 self._ids[k] = pid
                 self._keys[pid] = k
                 self._params[pid] = weakref.ref(param)
@@ -686,6 +692,8 @@ class ParamStore:
             k = self._keys.pop(pid, None)
             if k is not None and self._ids.get(k) == pid:
                 del self._ids[k]
+            self._params.pop(pid, None)  # else a dead weakref and a name per parameter of every model
+            self._names.pop(pid, None)   # compiled and dropped stayed for the life of the process
             e = self._entries.pop(pid, None)
             if e is not None:
                 e.close_files()
@@ -720,8 +728,8 @@ class ParamStore:
             e = self._entries.get(pid)
             if e is not None:
                 return e
-            param = self._params[pid]()
-            name = self._names[pid]
+            param = self._params.get(pid, _dead)()
+            name = self._names.get(pid, f"#{pid}")
             if param is None:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
             if value is None and param.untyped_storage().nbytes() < param.numel() * param.element_size():
@@ -783,8 +791,8 @@ class ParamStore:
         import os
 
         with self._lock:
-            param = self._params[pid]()
-            name = self._names[pid]
+            param = self._params.get(pid, _dead)()
+            name = self._names.get(pid, f"#{pid}")
             if param is None:
                 raise ZinfError(f"zinf: parameter {name!r} no longer exists")
             rank, size = world()
@@ -832,7 +840,7 @@ class ParamStore:
             self.stats = dict.fromkeys(self.stats, 0) | {"fetch_waits_s": 0.0}
 
     def release_id(self, pid: int) -> None:
-        param = self._params.get(pid, lambda: None)()
+        param = self._params.get(pid, _dead)()
         if param is not None:
             self.release(param)
 
@@ -866,7 +874,7 @@ class ParamStore:
                                 "of the model?); zinf cannot take it over")
             tier, master, gather = (tier.split(",") + ["", ""])[:3]
             with torch.no_grad():
-                e = self.manage(self.identify(t, f"param#{len(self._params)}"), tier, engine_key,
+                e = self.manage(self.identify(t, f"param#{next(self._unnamed)}"), tier, engine_key,
                                 getattr(torch, master) if master else None,
                                 gather_dtype=getattr(torch, gather) if gather else None)
         return e
