@@ -920,8 +920,6 @@ class ParamStore:
             buf = e.read_rows(rows, futures)
         elif e.tier == "nvme":
             buf, futures = e.submit_read()
-        if buf is not None and futures and buf.dtype != e.dtype and e.device.type == "cpu":
-            buf, futures = _widened_when_read(e, buf, futures)
         with self._lock:
             self._fetches[ticket] = (e, buf, futures)
         cell = np.array([ticket], dtype=np.int64)
@@ -1019,30 +1017,6 @@ class ParamStore:
             raise ZinfError("zinf: a graph gathers a parameter the store does not manage (was the store "
                             "reset while compiled code still runs?)")
         return e
-
-
-def _widened_when_read(e: Entry, buf: torch.Tensor, futures: list) -> tuple[torch.Tensor, list]:
-    """A fetch of a narrower copy on a CPU device: the I/O thread that completes the read widens
-    it to the parameter's dtype, into a recycled buffer, and the gather takes it ready. Widening
-    4.4 GB of float32 from bfloat16 took ~1.5 s of the graph thread's time on this 2-core machine."""
-    from concurrent.futures import Future
-
-    from zinf_compile.runtime.engine import _when_all_done
-
-    out, done = e.engine.buffers.empty(buf.numel(), e.dtype), Future()
-
-    def widen() -> None:
-        try:
-            for f in futures:
-                f.result()  # the read's error, if any, is the gather's
-            out.copy_(buf)
-        except BaseException as err:
-            done.set_exception(err)
-        else:
-            done.set_result(None)
-
-    _when_all_done(futures, widen)
-    return out, [done]
 
 
 def narrower(gather: torch.dtype | None, stored: torch.dtype) -> torch.dtype | None:
