@@ -154,6 +154,20 @@ def test_plan_inference_params_offload(tmp_path):
     assert counts["gather"] == counts["release"] == 4 and "reduce" not in counts
 
 
+def test_plan_gather_dtype_reads_half_the_bytes(tmp_path):
+    """`--gather-dtype bfloat16`: the plan's gathers read the parameters' bf16 copies, half of what
+    float32 shards move through the tier per forward."""
+    moved = {}
+    for extra in ((), ("--gather-dtype", "bfloat16")):
+        out = tmp_path / (extra[-1] if extra else "float32")
+        assert main(["plan", MLP, *MLP_SMALL_BATCH, "--inference", "--params", "offload", "--offload", "nvme",
+                     "--out", str(out), "--no-report", *extra]) == 0
+        plan = Plan.load(str(out / "plan.json"))
+        assert len(plan.params) == 4
+        moved[extra[-1] if extra else "float32"] = plan.bytes_moved["nvme"]
+    assert moved["bfloat16"] * 2 == moved["float32"] > 0, moved
+
+
 def test_plan_with_activation_offloads_and_managed_parameters(tmp_path):
     """Both levers in one plan: the parameters' traffic adds to the activations' in bytes_moved."""
     assert main(["plan", GPT, "--arg", "batch=4", "--arg", "seq=64", "--arg", "layers=2", "--arg", "hidden=128",

@@ -79,6 +79,7 @@ class CapturedParam:
     name: str  # the model's name for it, e.g. "blocks.0.fc.weight"
     nbytes: int
     requires_grad: bool
+    dtype: str = "float32"  # torch's name for it, without "torch."
 
 
 @dataclass
@@ -151,7 +152,8 @@ def trace(factory: Callable[..., Any], kwargs: dict[str, Any], inference: bool =
         k = len(named)
         if inference:
             model.requires_grad_(False)
-        box["params"] = tuple(CapturedParam(i, n, p.numel() * p.element_size(), p.requires_grad)
+        box["params"] = tuple(CapturedParam(i, n, p.numel() * p.element_size(), p.requires_grad,
+                                            str(p.dtype).removeprefix("torch."))
                               for i, (n, p) in enumerate(model.named_parameters()))
 
         def run(*args):
@@ -308,10 +310,11 @@ class OfflinePlan:
 
 def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: int, profile, tier: str,
                  params: str = "auto", inference: bool = False, device: str = "cpu", tiling: str = "auto",
-                 max_tile_bytes: int | None = None) -> OfflinePlan:
+                 max_tile_bytes: int | None = None, gather_dtype: str | None = None) -> OfflinePlan:
     """Trace the model under FakeTensorMode and plan it through the same pipeline as the backend
     (one rank; buffered files). `params` as the backend's option: "auto" manages the fewest
-    parameters (of PERSIST_BYTES or more) that fit, "offload" all of them, "resident" none."""
+    parameters (of PERSIST_BYTES or more) that fit, "offload" all of them, "resident" none.
+    `gather_dtype` as the backend's option: the gathers read copies in that dtype."""
     from zinf_compile.config import tier_frees_device
     from zinf_compile.passes.params import param_meta
     from zinf_compile.analysis.facts import paused_gc
@@ -324,8 +327,15 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
     model = DeviceModel(profile.device, tier, 1, maps_files=profile.device == "cpu")
     done: dict[str, Any] = {}
 
+    def gather_of(p: CapturedParam) -> str | None:
+        from zinf_compile.runtime.params import narrower
+
+        dtype = narrower(getattr(torch, gather_dtype), getattr(torch, p.dtype)) if gather_dtype else None
+        return str(dtype).removeprefix("torch.") if dtype is not None else None
+
     def request(cparams):
-        cands = tuple((p.index, param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad), False)
+        cands = tuple((p.index, param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad,
+                                           gather=gather_of(p)), False)
                       for p in cparams if p.nbytes >= PERSIST_BYTES) if params != "resident" else ()
         return Request(profile=profile, model=model, budget=budget, params_mode=params, candidates=cands,
                        tiling=tiling, max_tile_bytes=max_tile_bytes, trace_device=device, codegen=False)

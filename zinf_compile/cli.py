@@ -33,7 +33,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"({'inference' if args.inference else 'training'}) for {args.target}, budget "
               f"{args.budget or 'capacity'}, parameters {params}")
     result = plan_offline(factory, kwargs, budget, profile, tier, params=params, inference=args.inference,
-                          device="cpu", tiling=tiling, max_tile_bytes=max_tile)
+                          device="cpu", tiling=tiling, max_tile_bytes=max_tile, gather_dtype=args.gather_dtype)
     plan = result.plan
     for note in plan.notes:
         if note.startswith(("parameters", "tiles")):
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--params", default="auto", choices=["auto", "offload", "resident"],
                     help="parameters (ZeRO-3): 'auto' manages them when the plan does not fit with them resident "
                          "(largest first, then all), 'offload' always (those of 64 KiB or more), 'resident' never")
+    pl.add_argument("--gather-dtype", choices=["bfloat16", "float16"],
+                    help="managed parameters' gathers read a copy in this dtype (half the bytes of float32)")
     pl.add_argument("--tiling", default="auto", choices=["auto", "off"],
                     help="memory-centric tiling of managed weights too large to gather whole (default auto)")
     pl.add_argument("--max-tile-bytes", metavar="SIZE",
