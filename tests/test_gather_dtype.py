@@ -72,6 +72,15 @@ def recipe(build=mlp, loss_of=mlp_loss, steps: int = STEPS):
     return first, losses, copy.deepcopy(masters.state_dict())
 
 
+def assert_as_recipe(losses, ref_losses, cm, ref_masters) -> None:
+    """Losses and float32 masters (not their rounded copies) bit for bit the recipe's."""
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert torch.equal(a, b), (i, losses, ref_losses)
+    masters = full_state_dict(cm)
+    for k, v in ref_masters.items():
+        assert masters[k].dtype == torch.float32 and torch.equal(masters[k], v), k
+
+
 @pytest.fixture(scope="module")
 def reference():
     torch.use_deterministic_algorithms(True)
@@ -81,10 +90,11 @@ def reference():
         torch.use_deterministic_algorithms(False)
 
 
-def zinf_run(tier: str, offload_root: str, build=mlp, loss_of=mlp_loss, steps: int = STEPS, **opt_kw):
+def zinf_run(tier: str, offload_root: str, build=mlp, loss_of=mlp_loss, steps: int = STEPS,
+             options: dict | None = None, **opt_kw):
     model = build()
     opts = {"params": "offload", "offload": tier, "gather_dtype": "bfloat16",
-            "offload_dir": os.path.join(offload_root, "gather-dtype")}
+            "offload_dir": os.path.join(offload_root, "gather-dtype"), **(options or {})}
     cm = torch.compile(model, backend="zinf", options=opts)
     opt = optimizer(cm, torch.optim.AdamW, **HP, **opt_kw)
     opt.chunk_elems = 4096  # each weight is 4 chunks
@@ -107,12 +117,9 @@ def test_training_equals_the_bf16_gather_recipe(tier, opt_kw, offload_root, refe
     entries = [STORE.entry(p) for p in model.parameters() if big(p)]
     assert len(entries) == 2 and all(e is not None and e.gather_dtype == torch.bfloat16 for e in entries)
     assert all(e.copy_ok for e in entries)
-    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert torch.equal(a, b), (i, losses, ref_losses)
-    masters = full_state_dict(cm)  # the float32 masters, not their rounded copies
-    for k, v in ref_masters.items():
-        assert masters[k].dtype == torch.float32 and torch.equal(masters[k], v), k
-    assert not torch.equal(masters["0.weight"], masters["0.weight"].to(torch.bfloat16).float())
+    assert_as_recipe(losses, ref_losses, cm, ref_masters)
+    w = full_state_dict(cm)["0.weight"]
+    assert not torch.equal(w, w.to(torch.bfloat16).float())  # a master, not its rounded copy
     # a write of the masters from outside (a state dict) reaches the copy the gathers read
     load_state_dict(cm, first)
     with torch.no_grad():
@@ -157,11 +164,7 @@ def test_a_full_disk_while_the_copy_is_written_applies_nothing(offload_root, ref
                 assert torch.equal(mlp_loss(cm), losses[-1])
         opt.step()
         opt.zero_grad()
-    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert torch.equal(a, b), (i, losses, ref_losses)
-    masters = full_state_dict(cm)
-    for k, v in ref_masters.items():
-        assert torch.equal(masters[k], v), k
+    assert_as_recipe(losses, ref_losses, cm, ref_masters)
 
 
 def test_hf_llama_trains_as_the_recipe(offload_root):
@@ -179,11 +182,7 @@ def test_hf_llama_trains_as_the_recipe(offload_root):
     model, cm, losses = zinf_run("nvme", offload_root, build, loss_of, steps=2)
     managed = [p for p in model.parameters() if STORE.entry(p) is not None]
     assert len(managed) > 10 and all(STORE.entry(p).gather_dtype == torch.bfloat16 for p in managed)
-    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert torch.equal(a, b), (i, losses, ref_losses)
-    masters = full_state_dict(cm)
-    for k, v in ref_masters.items():
-        assert torch.equal(masters[k], v), k
+    assert_as_recipe(losses, ref_losses, cm, ref_masters)
 
 
 def test_tiles_read_rows_of_the_copy(offload_root):
@@ -204,18 +203,7 @@ def test_tiles_read_rows_of_the_copy(offload_root):
 
     _, ref_losses, ref_masters = recipe(build, loss_of)
     records.reset()
-    model = build()
-    opts = {"budget": 1 << 20, "params": "offload", "offload": "nvme", "gather_dtype": "bfloat16",
-            "offload_dir": os.path.join(offload_root, "gather-dtype")}
-    cm = torch.compile(model, backend="zinf", options=opts)
-    opt = optimizer(cm, torch.optim.AdamW, **HP)
-    losses = []
-    for _ in range(STEPS):
-        loss = loss_of(cm)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    model, cm, losses = zinf_run("nvme", offload_root, build, loss_of, options={"budget": 1 << 20})
     plan = records.compiles()[-1].plan
     assert {t.param for t in plan.tiles} == {"big.weight"} and STORE.entry(model.big.weight).gather_dtype == torch.bfloat16
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=0)

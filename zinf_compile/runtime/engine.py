@@ -640,13 +640,17 @@ class OffloadEngine:
                 d = _digest(block[:length])
                 lo, hi = max(pos, start), min(end, start + length)
                 view[lo - base:hi - base] = block[lo - start:hi - start]
-            rec = src.sums.get(k)
-            if rec is None:
-                fresh[k] = d
-            elif rec != d:
-                raise self._changed_block(src, k, pos, end)
+            self._learn_or_check(src, k, d, fresh, pos, end)
         if fresh:
             self._record_source(src, fresh, pos, end)
+
+    def _learn_or_check(self, src: SourceFile, k: int, d: int, fresh: dict, pos: int, end: int) -> None:
+        """Block k's digest `d`: noted in `fresh` (recorded after) on its first read, else checked."""
+        rec = src.sums.get(k)
+        if rec is None:
+            fresh[k] = d
+        elif rec != d:
+            raise self._changed_block(src, k, pos, end)
 
     def _verify_source_mapped(self, src: SourceFile, arr, start: int, pos: int, end: int, lo: int, hi: int) -> None:
         """Check the blocks of file bytes [lo, hi) (block boundaries) in `arr`, a mapping of the
@@ -654,12 +658,7 @@ class OffloadEngine:
         fresh = {}
         for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1):
             at, length = src.block(k)
-            d = _digest(arr[at - start:at - start + length])
-            rec = src.sums.get(k)
-            if rec is None:
-                fresh[k] = d
-            elif rec != d:
-                raise self._changed_block(src, k, pos, end)
+            self._learn_or_check(src, k, _digest(arr[at - start:at - start + length]), fresh, pos, end)
         if fresh:
             self._record_source(src, fresh, pos, end)
 
