@@ -139,10 +139,19 @@ def _eval_key_number(key) -> int | None:
     return int(n) if n.isdigit() else None
 
 
-def _source_mark() -> int:
-    from torch.fx.graph_module import _loader
+def _fx_loader():
+    """torch.fx's source store, or None where this torch has none of that shape: releasing sources
+    is housekeeping, never a reason for a compile to fail (torch 2.11 on the GPU machines too)."""
+    from torch.fx import graph_module
 
-    return _loader.next_id
+    loader = getattr(graph_module, "_loader", None)
+    ok = isinstance(getattr(loader, "eval_cache", None), dict) and isinstance(getattr(loader, "next_id", None), int)
+    return loader if ok else None
+
+
+def _source_mark() -> int | None:
+    loader = _fx_loader()
+    return None if loader is None else loader.next_id
 
 
 def _source_key(gm: fx.GraphModule) -> str | None:
@@ -153,9 +162,9 @@ def _source_key(gm: fx.GraphModule) -> str | None:
 
 
 def _forget_source(key: str) -> None:
-    from torch.fx.graph_module import _loader
-
-    _loader.eval_cache.pop(key, None)
+    loader = _fx_loader()
+    if loader is not None:
+        loader.eval_cache.pop(key, None)
     linecache.cache.pop(key, None)
 
 
@@ -166,18 +175,19 @@ def release_source(gm: fx.GraphModule) -> None:
         weakref.finalize(gm, _forget_source, key).atexit = False
 
 
-def forget_sources_since(mark: int, live) -> None:
+def forget_sources_since(mark: int | None, live) -> None:
     """Forget the sources torch.fx filed since `mark` (`_source_mark()`), but those of the modules
     in `live`, tied to their lives instead. The others belong to modules the compile made and
     dropped, or to code a module replaced: nothing runs them again (a frame of one that does runs
     as before; a traceback shows no lines for it)."""
-    from torch.fx.graph_module import _loader
-
+    loader = _fx_loader()
+    if loader is None or mark is None:
+        return
     keep = set()
     for gm in live:
         release_source(gm)
         keep.add(_source_key(gm))
-    for key in [k for k in list(_loader.eval_cache) if k not in keep]:
+    for key in [k for k in list(loader.eval_cache) if k not in keep]:
         n = _eval_key_number(key)
         if n is not None and n >= mark:
             _forget_source(key)
@@ -198,8 +208,15 @@ def _forget_zinf_fake_dispatch() -> None:
     Run when a compile starts: the entries of the compile before it go."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cache = FakeTensorMode.cache
-    for k in [k for k in list(cache) if getattr(k.key[0], "namespace", None) == "zinf"]:
+    cache = getattr(FakeTensorMode, "cache", None)
+    if not isinstance(cache, dict):
+        return  # a torch without that cache (housekeeping only, as _fx_loader)
+
+    def zinf_op(k) -> bool:
+        key = getattr(k, "key", None)
+        return isinstance(key, tuple) and bool(key) and getattr(key[0], "namespace", None) == "zinf"
+
+    for k in [k for k in list(cache) if zinf_op(k)]:
         cache.pop(k, None)
 
 
