@@ -269,6 +269,39 @@ def test_a_training_step_moves_two_bytes_less_per_gathered_element(offload_root)
     assert bf16["bytes_written"] - fp32["bytes_written"] == 2 * numel * 2, moved
 
 
+def test_zero_layout_under_a_bf16_model(offload_root):
+    """A bfloat16 model with master_dtype="float32" and gather_dtype="bfloat16" (ZeRO's layout):
+    the gathers read the bf16 copy, half of what they read from the float32 masters without it,
+    and train bit for bit as the masters alone do (the copy holds what the gather made of them)."""
+    runs = {}
+    for gather in (None, "bfloat16"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # 128 x 256 bf16 weights: 64 KiB, managed
+        model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(torch.bfloat16)
+        opts = {"params": "offload", "offload": "nvme", "master_dtype": "float32", "gather_dtype": gather,
+                "offload_dir": os.path.join(offload_root, "gather-dtype")}
+        cm = torch.compile(model, backend="zinf", options=opts)
+        opt = optimizer(cm, torch.optim.AdamW, **HP)
+        losses, read = [], 0
+        for step in range(STEPS):
+            engine = STORE.entry(model[0].weight).engine if step else None
+            before = engine.stats["bytes_read"] if step else 0
+            loss = cm(X.repeat(1, 2).to(torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            if step:
+                read += engine.stats["bytes_read"] - before  # the gathers' reads (the step's come after)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        e = STORE.entry(model[0].weight)
+        assert e.shard_dtype == torch.float32 and e.read_dtype == (torch.bfloat16 if gather else torch.float32)
+        runs[gather] = losses, full_state_dict(cm), read
+    (l0, m0, r0), (l1, m1, r1) = runs[None], runs["bfloat16"]
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True)), (l0, l1)
+    assert all(torch.equal(m0[k], m1[k]) for k in m0)
+    assert r1 * 2 == r0 > 0, (r0, r1)
+
+
 def test_bad_gather_dtype_is_a_clear_error():
     with pytest.raises(ZinfConfigError, match="gather_dtype: expected 'bfloat16' or 'float16'"):
         ZinfConfig.from_options({"gather_dtype": "int8"})
