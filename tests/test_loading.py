@@ -659,13 +659,9 @@ def test_a_checkpoint_changed_between_two_loads_in_one_process(sharded, tmp_path
     for f in files:  # replaced: new inodes at the paths
         os.replace(v2 / f, copy / f)
     assert torch.equal(_logits(second, ids), want1)  # the files it loaded, still open
-    third = _meta_llama(_llama_config()).eval()
-    try:
-        zinf_compile.load_pretrained(third, copy, options=_opts(offload_root, "twice"), in_place=True)
-    except ZinfError as err:  # ParamStore still holds the descriptor of the replaced file
-        assert "was replaced by another file" in str(err) and str(copy) in str(err), err
-    else:
-        assert torch.equal(_logits(third, ids), want2)
+    third = _meta_llama(_llama_config()).eval()  # a new load reads the new files (a new descriptor)
+    zinf_compile.load_pretrained(third, copy, options=_opts(offload_root, "twice"), in_place=True)
+    assert torch.equal(_logits(third, ids), want2)
     del second, third
     gc.collect()
     zinf_compile.reset()

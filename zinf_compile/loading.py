@@ -306,11 +306,7 @@ class _Placer:
                                   stored.start, stored.dtype, gather_dtype=self.gather)
         eng, renew = e.engine, False
         if e.fd not in self.watched:  # the first tensor of this file in this load
-            st = os.fstat(e.fd)
-            if not os.path.samestat(st, os.stat(path)):
-                raise ZinfError(f"zinf: {path} was replaced by another file since this process first opened it to "
-                                "read in place, and zinf's descriptor still reads the old one: load it in a new "
-                                "process, or without in_place=True")
+            st = os.fstat(e.fd)  # the file at `path` now: manage_in_place reopens one replaced since
             src = eng.source(e.fd)
             renew = src is not None and src.changed(st) is not None  # changed since a load now gone
         eng.watch_source(e.fd, path, e.name, stored.start, stored.nbytes, renew=renew)
