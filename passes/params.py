@@ -52,6 +52,18 @@ def read_nbytes(numel: int, itemsize: int, master: str | None, gather: str | Non
     return min(stored, int(numel) * getattr(torch, gather).itemsize) if gather else stored
 
 
+def gather_dtype_of(gather: str | None, dtype: str, master: str | None = None) -> str | None:
+    """The dtype name of the copy a parameter of `dtype` (names without "torch.") is gathered from
+    under option gather_dtype=`gather`: None where the copy would not be narrower than its shard
+    (runtime.params.narrower, which the take-over applies)."""
+    from zinf_compile.runtime.params import narrower
+
+    if gather is None:
+        return None
+    out = narrower(getattr(torch, gather), getattr(torch, master or dtype))
+    return None if out is None else str(out).removeprefix("torch.")
+
+
 def param_meta(name: str, pid: int, resident_bytes: int, tier: str, requires_grad: bool = True,
                engine: int = 0, master: str | None = None, gather: str | None = None) -> ParamMeta:
     return ParamMeta(pid, name, resident_bytes, tier, requires_grad, engine, master, gather)

@@ -116,14 +116,16 @@ class Session:
     def request(self, primals: list[fx.Node]):
         """The pipeline's Request for a graph whose inputs `primals` include these parameters."""
         from zinf_compile.cost import load_profile
-        from zinf_compile.passes.params import param_meta
+        from zinf_compile.passes.params import gather_dtype_of, param_meta
         from zinf_compile.pipeline import Request
 
         cands, resident = _candidates(self, primals)
         model = DeviceModel(self.device, self.tier, self.world, maps_files=_maps_files(self))
         metas = tuple((primals.index(n), param_meta(info.name, info.pid, _resident_bytes(self, info), self.tier,
                                                     info.requires_grad, self.engine_key, self.cfg.master_dtype,
-                                                    _gather_of(self, info)),
+                                                    gather_dtype_of(self.cfg.gather_dtype,
+                                                                    info.dtype.removeprefix("torch."),
+                                                                    self.cfg.master_dtype)),
                        info.managed) for n, info in cands)
         allreduce = tuple(primals.index(n) for n, info in resident if info.requires_grad) if self.world > 1 else ()
         direct = self.tier == "nvme" and self.engine.direct  # the reads the plan times: as the run does them
@@ -328,19 +330,6 @@ def _resident_bytes(s: Session, info: ParamInfo) -> int:
 
     itemsize = getattr(torch, info.dtype.removeprefix("torch.")).itemsize
     return -(-stored_nbytes(info.nbytes // itemsize, itemsize, s.cfg.master_dtype) // world()[1])
-
-
-def _gather_of(s: Session, info: ParamInfo) -> str | None:
-    """The dtype of the copy a managed parameter's gathers read (option gather_dtype), where it is
-    narrower than its shard's (runtime.params.narrower decides the same at take-over)."""
-    from zinf_compile.runtime.params import narrower
-
-    if s.cfg.gather_dtype is None:
-        return None
-    dtype = getattr(torch, info.dtype.removeprefix("torch."))
-    stored = getattr(torch, s.cfg.master_dtype) if s.cfg.master_dtype else dtype
-    gather = narrower(getattr(torch, s.cfg.gather_dtype), stored)
-    return str(gather).removeprefix("torch.") if gather is not None else None
 
 
 def _shared_default_budget(device: str, n_world: int) -> int:

@@ -316,7 +316,7 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
     parameters (of PERSIST_BYTES or more) that fit, "offload" all of them, "resident" none.
     `gather_dtype` as the backend's option: the gathers read copies in that dtype."""
     from zinf_compile.config import tier_frees_device
-    from zinf_compile.passes.params import param_meta
+    from zinf_compile.passes.params import gather_dtype_of, param_meta
     from zinf_compile.analysis.facts import paused_gc
     from zinf_compile.pipeline import Request, compile_inference, compile_joint
     from zinf_compile.planner import PERSIST_BYTES, DeviceModel
@@ -327,15 +327,9 @@ def plan_offline(factory: Callable[..., Any], kwargs: dict[str, Any], budget: in
     model = DeviceModel(profile.device, tier, 1, maps_files=profile.device == "cpu")
     done: dict[str, Any] = {}
 
-    def gather_of(p: CapturedParam) -> str | None:
-        from zinf_compile.runtime.params import narrower
-
-        dtype = narrower(getattr(torch, gather_dtype), getattr(torch, p.dtype)) if gather_dtype else None
-        return str(dtype).removeprefix("torch.") if dtype is not None else None
-
     def request(cparams):
         cands = tuple((p.index, param_meta(p.name, p.index, 0 if frees else p.nbytes, tier, p.requires_grad,
-                                           gather=gather_of(p)), False)
+                                           gather=gather_dtype_of(gather_dtype, p.dtype)), False)
                       for p in cparams if p.nbytes >= PERSIST_BYTES) if params != "resident" else ()
         return Request(profile=profile, model=model, budget=budget, params_mode=params, candidates=cands,
                        tiling=tiling, max_tile_bytes=max_tile_bytes, trace_device=device, codegen=False)
